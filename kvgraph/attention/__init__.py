@@ -1,0 +1,1 @@
+"""Attention layers, per-step metadata, and the backends behind kvgraph's ops."""

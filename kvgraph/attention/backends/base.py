@@ -1,0 +1,53 @@
+"""The interface every attention backend implements; the ops call nothing else."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kvgraph.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Kernels behind kvgraph's attention ops for one kind of device.
+
+    Every method writes its result into `out` (and, with a cache, the new keys/values into the
+    cache at `metadata.slot_mapping`, skipping padding slots) and returns nothing.
+    """
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_size]
+        key: torch.Tensor,  # [T, num_kv_heads, head_size]
+        value: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: list[torch.Tensor],  # key_cache, value_cache
+        out: torch.Tensor,  # [T, num_heads, head_size]
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> None: ...
+
+    def forward_mla(
+        self,
+        q_latent: torch.Tensor,  # [T, num_heads, kv_lora_rank]
+        q_pe: torch.Tensor,  # [T, num_heads, rope_dim]
+        kv_c: torch.Tensor,  # [T, kv_lora_rank]
+        k_pe: torch.Tensor,  # [T, rope_dim]
+        kv_cache: list[torch.Tensor],  # kv_c_cache, k_pe_cache
+        out: torch.Tensor,  # [T, num_heads, kv_lora_rank]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> None: ...
+
+    def forward_encoder(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        out: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> None: ...

@@ -1,0 +1,163 @@
+"""Portable paged attention in plain torch: the reference backend, for any device.
+
+It handles any mix of prefill, chunked prefill and decode in one batch, and makes no host
+synchronisation: every shape comes from tensor shapes and the host ints of the metadata
+(`max_query_len`, `max_seq_len`), so a uniform-decode step can be captured in a graph.
+
+Buffers: it keeps none. Per call it gathers each request's cached keys/values into a padded
+`[num_reqs, blocks_read * block_size, ...]` tensor and its queries into `[num_reqs,
+max_query_len, ...]`; memory grows with `num_reqs * max_seq_len`, which is the price of being
+portable. Device backends replace it where speed matters.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgraph.attention.metadata import AttentionMetadata
+
+
+def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+    """Write `values[i]` into slot `slot_mapping[i]` of `cache`; slot -1 writes nothing.
+
+    Without a host sync the number of real slots is unknown, so padding tokens are redirected to
+    a real token's slot carrying that token's own value (or, in an all-padding batch, to slot 0
+    carrying its current contents): every duplicate write stores identical bytes.
+    """
+    flat = cache.view(-1, *cache.shape[2:])
+    values = values.to(flat.dtype)
+    valid = slot_mapping >= 0
+    donor = valid.int().argmax().view(1)  # first real token, or 0 when there is none
+    any_valid = valid.any()
+    donor_slot = torch.where(any_valid, slot_mapping.index_select(0, donor), 0)
+    donor_value = torch.where(any_valid, values.index_select(0, donor), flat[:1])
+    target = torch.where(valid, slot_mapping, donor_slot)
+    keep = valid.view(-1, *([1] * (values.dim() - 1)))
+    flat.index_copy_(0, target, torch.where(keep, values, donor_value))
+
+
+def _gather_blocks(cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    """Each request's cached rows, `[num_reqs, blocks_read * block_size, ...]`."""
+    blocks_read = min(-(-metadata.max_seq_len // metadata.block_size), metadata.block_table.shape[1])
+    block_ids = metadata.block_table[:, :blocks_read].long()
+    rows = cache[block_ids]  # [num_reqs, blocks_read, block_size, ...]
+    return rows.flatten(1, 2)
+
+
+class _TokenLayout:
+    """Where each flat token sits in the padded `[num_reqs, max_query_len]` layout."""
+
+    def __init__(self, num_tokens: int, metadata: AttentionMetadata, device: torch.device):
+        starts = metadata.query_start_loc.long()
+        num_reqs = starts.shape[0] - 1
+        self.query_lens = starts[1:] - starts[:-1]
+        tokens = torch.arange(num_tokens, device=device)
+        # Tokens past the last request are padding: they read a clamped position and get zeros.
+        self.token_valid = tokens < starts[-1]
+        self.token_req = torch.searchsorted(starts[1:], tokens, right=True).clamp(max=num_reqs - 1)
+        self.token_col = (tokens - starts[self.token_req]).clamp(0, metadata.max_query_len - 1)
+        cols = torch.arange(metadata.max_query_len, device=device)
+        self.padded_tokens = (starts[:-1, None] + cols).clamp(max=num_tokens - 1)
+        self.cols = cols
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """`[T, ...]` -> `[num_reqs, max_query_len, ...]` (rows past a request's end are junk)."""
+        return x[self.padded_tokens]
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """`[num_reqs, max_query_len, ...]` -> `[T, ...]`, zeros for padding tokens."""
+        rows = x[self.token_req, self.token_col]
+        return torch.where(self.token_valid.view(-1, *([1] * (rows.dim() - 1))), rows, 0)
+
+
+def attend(
+    query: torch.Tensor,  # [R, Q, H, Dk]
+    keys: torch.Tensor,  # [R, K, Hkv, Dk]
+    values: torch.Tensor,  # [R, K, Hkv, Dv]
+    key_lens: torch.Tensor,  # [R]
+    query_lens: torch.Tensor,  # [R]
+    scale: float,
+    causal: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Masked softmax attention of padded queries over padded keys -> `[R, Q, H, Dv]`.
+
+    Query j of request r sits at position `key_lens[r] - query_lens[r] + j` (its new tokens are
+    the last of its keys). Rows with no visible key come out as zeros, never NaN.
+    """
+    num_reqs, max_q, num_heads, _ = query.shape
+    num_kv_heads = keys.shape[2]
+    acc = torch.promote_types(query.dtype, torch.float32)
+    q = query.to(acc).view(num_reqs, max_q, num_kv_heads, num_heads // num_kv_heads, -1)
+    scores = torch.einsum("rqhgd,rkhd->rhgqk", q, keys.to(acc)) * scale
+
+    key_pos = torch.arange(keys.shape[1], device=keys.device)
+    visible = key_pos < key_lens[:, None, None]  # [R, 1, K]
+    if causal:
+        query_pos = (key_lens - query_lens)[:, None] + torch.arange(max_q, device=keys.device)
+        visible = visible & (key_pos <= query_pos[:, :, None])
+        if sliding_window is not None:
+            visible = visible & (key_pos > query_pos[:, :, None] - sliding_window)
+    visible = visible[:, None, None]  # [R, 1, 1, Q or 1, K]
+
+    scores = scores.masked_fill(~visible, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(acc).min)
+    weights = torch.exp(scores - row_max)
+    weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(acc).tiny)
+    output = torch.einsum("rhgqk,rkhd->rqhgd", weights, values.to(acc))
+    return output.reshape(num_reqs, max_q, num_heads, -1)
+
+
+class TorchNativeBackend:
+    """The portable reference backend (see the module docstring)."""
+
+    name = "torch_native"
+
+    def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window):
+        key_cache, value_cache = kv_cache
+        write_to_cache(key_cache, metadata.slot_mapping, key)
+        write_to_cache(value_cache, metadata.slot_mapping, value)
+        layout = _TokenLayout(query.shape[0], metadata, query.device)
+        result = attend(
+            layout.pad(query),
+            _gather_blocks(key_cache, metadata),
+            _gather_blocks(value_cache, metadata),
+            metadata.seq_lens.long(),
+            layout.query_lens,
+            scale,
+            causal=True,
+            sliding_window=sliding_window,
+        )
+        out.copy_(layout.unpad(result))
+
+    def forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale):
+        kv_c_cache, k_pe_cache = kv_cache
+        write_to_cache(kv_c_cache, metadata.slot_mapping, kv_c)
+        write_to_cache(k_pe_cache, metadata.slot_mapping, k_pe)
+        layout = _TokenLayout(q_latent.shape[0], metadata, q_latent.device)
+        latent = _gather_blocks(kv_c_cache, metadata)  # [R, K, L]
+        keys = torch.cat([latent, _gather_blocks(k_pe_cache, metadata).to(latent.dtype)], -1)
+        query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
+        result = attend(
+            layout.pad(query),
+            keys[:, :, None],
+            latent[:, :, None],
+            metadata.seq_lens.long(),
+            layout.query_lens,
+            scale,
+            causal=True,
+        )
+        out.copy_(layout.unpad(result))
+
+    def forward_encoder(self, query, key, value, out, metadata, scale):
+        layout = _TokenLayout(query.shape[0], metadata, query.device)
+        result = attend(
+            layout.pad(query),
+            layout.pad(key),
+            layout.pad(value),
+            layout.query_lens,
+            layout.query_lens,
+            scale,
+            causal=False,
+        )
+        out.copy_(layout.unpad(result))

@@ -1,0 +1,89 @@
+"""Per-step state that attention ops read: the batch's metadata and its descriptor."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+from kvgraph.errors import ForwardContextError
+
+if TYPE_CHECKING:
+    from kvgraph.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """The key of a captured graph: the padded batch shape a graph was recorded for.
+
+    `num_reqs` is None for piecewise keys, whose pieces do not depend on how tokens are
+    grouped into requests. `uniform_decode` marks batches where every request adds one token.
+    """
+
+    num_tokens: int
+    num_reqs: int | None = None
+    uniform_decode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"BatchDescriptor.num_tokens must be >= 1, got {self.num_tokens}")
+        if self.num_reqs is not None and not 1 <= self.num_reqs <= self.num_tokens:
+            raise ValueError(
+                f"BatchDescriptor.num_reqs must be in [1, num_tokens={self.num_tokens}], "
+                f"got {self.num_reqs}"
+            )
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """What one forward call needs besides its inputs.
+
+    `attn_backend` names the attention backend (see `kvgraph.attention.backends`); None picks
+    the default for the device the attention inputs live on.
+    """
+
+    attn_metadata: AttentionMetadata | None
+    batch_descriptor: BatchDescriptor | None = None
+    attn_backend: str | None = None
+
+
+_current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
+    "kvgraph_forward_context", default=None
+)
+
+
+@contextlib.contextmanager
+def set_forward_context(
+    attn_metadata: AttentionMetadata | None,
+    batch_descriptor: BatchDescriptor | None = None,
+    attn_backend: str | None = None,
+) -> Iterator[ForwardContext]:
+    """Make `attn_metadata` visible to every attention op called inside the block.
+
+    Contexts nest: leaving an inner one restores the outer one, also on an exception.
+    """
+    context = ForwardContext(attn_metadata, batch_descriptor, attn_backend)
+    token = _current.set(context)
+    try:
+        yield context
+    finally:
+        _current.reset(token)
+
+
+def get_forward_context() -> ForwardContext:
+    """The innermost active forward context; an error if attention runs outside one."""
+    context = _current.get()
+    if context is None:
+        raise ForwardContextError(
+            "kvgraph attention was called outside a forward context. Wrap the model call in "
+            "`with kvgraph.set_forward_context(kvgraph.build_attention_metadata(chunks, "
+            "block_size, device)): model(input_ids, positions)`, or run it through "
+            "kvgraph.ModelRunner, which does this for you."
+        )
+    return context
+
+
+def has_forward_context() -> bool:
+    """Whether a forward context is active (for code that may run both inside and outside)."""
+    return _current.get() is not None

@@ -1,0 +1,153 @@
+"""KV cache specs, allocation, and binding each layer's cache tuple to its attention layer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from kvgraph.errors import KVCacheError
+
+KVCache = tuple[torch.Tensor, ...]
+
+
+class KVCacheSpec:
+    """The shape of one layer's cache: a tuple of `num_blocks`-first tensors of one dtype.
+
+    Subclasses are frozen dataclasses with `block_size` and `dtype` fields.
+    """
+
+    block_size: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise KVCacheError(f"block_size must be >= 1, got {self.block_size}")
+        if not self.dtype.is_floating_point:
+            raise KVCacheError(f"a KV cache dtype must be floating point, got {self.dtype}")
+        if min(d for shape in self.block_shapes() for d in shape) < 1:
+            raise KVCacheError(f"every dimension of {self} must be >= 1")
+
+    def block_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of one block of each tensor of the tuple (without `num_blocks`)."""
+        raise NotImplementedError
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def shapes(self, num_blocks: int) -> tuple[tuple[int, ...], ...]:
+        return tuple((num_blocks, *shape) for shape in self.block_shapes())
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across every tensor of the tuple."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(math.prod(shape) for shape in self.block_shapes()) * element_size
+
+    def num_blocks_for(self, memory_bytes: int) -> int:
+        """How many blocks fit in `memory_bytes` for this layer alone."""
+        return memory_bytes // self.bytes_per_block
+
+    def allocate(self, num_blocks: int, device: torch.device | str) -> KVCache:
+        """One separate, zeroed allocation per tensor of the tuple."""
+        return tuple(
+            torch.zeros(shape, dtype=self.dtype, device=device) for shape in self.shapes(num_blocks)
+        )
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    """Standard attention (MHA/GQA/MQA): `(key_cache, value_cache)`."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+
+    def block_shapes(self) -> tuple[tuple[int, ...], ...]:
+        shape = (self.block_size, self.num_kv_heads, self.head_size)
+        return (shape, shape)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return ("key_cache", "value_cache")
+
+
+@dataclass(frozen=True)
+class MLASpec(KVCacheSpec):
+    """Multi-head latent attention: `(kv_c_cache, k_pe_cache)`."""
+
+    block_size: int
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: torch.dtype
+
+    def block_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return ((self.block_size, self.kv_lora_rank), (self.block_size, self.rope_dim))
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return ("kv_c_cache", "k_pe_cache")
+
+
+class AttentionLayerBase(nn.Module):
+    """A module that owns one layer's KV cache tuple, bound by `bind_kv_cache`."""
+
+    layer_name: str
+    kv_cache: KVCache
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec | None:
+        """The spec of this layer's cache, or None when the layer keeps no cache."""
+        raise NotImplementedError
+
+    @property
+    def needs_kv_cache(self) -> bool:
+        return self.kv_cache_spec(1, torch.float32) is not None
+
+
+def attention_layers(model: nn.Module) -> dict[str, AttentionLayerBase]:
+    """Every kvgraph attention layer of `model`, by layer name, in module order."""
+    layers: dict[str, AttentionLayerBase] = {}
+    for module_path, module in model.named_modules():
+        if isinstance(module, AttentionLayerBase):
+            if module.layer_name in layers:
+                raise KVCacheError(
+                    f"two attention layers share the layer_name {module.layer_name!r} (the second "
+                    f"at {module_path!r}); every layer needs its own name"
+                )
+            layers[module.layer_name] = module
+    return layers
+
+
+def kv_cache_specs(
+    model: nn.Module,
+    block_size: int,
+    dtype: torch.dtype,
+    shared_kv_cache_layers: Mapping[str, str] | None = None,
+) -> dict[str, KVCacheSpec]:
+    """One spec per attention layer that keeps its own cache, by layer name.
+
+    Layers that keep no cache (encoder-only) and layers named in `shared_kv_cache_layers`
+    (which reuse another layer's cache) get no spec, so nothing is allocated for them.
+    """
+    shared = shared_kv_cache_layers or {}
+    specs = {}
+    for name, layer in attention_layers(model).items():
+        spec = layer.kv_cache_spec(block_size, dtype)
+        if spec is not None and name not in shared:
+            specs[name] = spec
+    return specs
+
+
+def allocate_kv_caches(
+    specs: Mapping[str, KVCacheSpec], num_blocks: int, device: torch.device | str
+) -> dict[str, KVCache]:
+    """Allocate each layer's cache tuple: separate tensors, `num_blocks` first, zeroed."""
+    if num_blocks < 1:
+        raise KVCacheError(f"num_blocks must be >= 1, got {num_blocks}")
+    return {name: spec.allocate(num_blocks, device) for name, spec in specs.items()}
+

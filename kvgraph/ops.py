@@ -1,0 +1,126 @@
+"""kvgraph's opaque attention ops: what a traced graph calls and the compiler splits at.
+
+Each op mutates exactly its cache tuple and `out`, returns nothing, and reads the per-step
+metadata from the forward context, so models keep a plain `forward(input_ids, positions)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgraph.attention.backends import get_attention_backend
+from kvgraph.attention.metadata import AttentionMetadata
+from kvgraph.forward_context import get_forward_context
+
+# Every op a graph must be split at; passes match these names (packet and overloads).
+ATTENTION_OPS = (
+    "kvgraph::unified_attention",
+    "kvgraph::unified_mla_attention",
+    "kvgraph::encoder_attention",
+)
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
+
+
+def _check_cache(kv_cache: list[torch.Tensor], block_shapes: tuple[tuple[int, ...], ...]) -> None:
+    got = tuple(tuple(t.shape[2:]) for t in kv_cache)
+    expected = tuple(shape[1:] for shape in block_shapes)
+    if got != expected:
+        raise ValueError(
+            f"kv_cache: expected {len(expected)} tensors [num_blocks, block_size, *row] with rows "
+            f"{expected}, got rows {got}"
+        )
+
+
+def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None]:
+    context = get_forward_context()
+    metadata = context.attn_metadata
+    if metadata is None:
+        raise ValueError("the forward context has no attn_metadata; attention needs one")
+    if metadata.slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"the batch has {num_tokens} tokens but its slot_mapping has "
+            f"{metadata.slot_mapping.shape[0]}; metadata and inputs must describe the same batch"
+        )
+    return metadata, context.attn_backend
+
+
+@torch.library.custom_op("kvgraph::unified_attention", mutates_args=("kv_cache", "out"))
+def unified_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: list[torch.Tensor],
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int = -1,
+) -> None:
+    """Paged causal attention; `sliding_window` -1 means none. Shapes: see AttentionBackend."""
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = key.shape[1]
+    _check_shape("key", key, (num_tokens, num_kv_heads, head_size))
+    _check_shape("value", value, (num_tokens, num_kv_heads, head_size))
+    _check_shape("out", out, (num_tokens, num_heads, head_size))
+    _check_cache(kv_cache, ((0, num_kv_heads, head_size),) * 2)
+    metadata, backend = _metadata(num_tokens)
+    get_attention_backend(backend, query.device).forward(
+        query, key, value, kv_cache, out, metadata, scale,
+        sliding_window if sliding_window > 0 else None,
+    )
+
+
+@unified_attention.register_fake
+def _(query, key, value, kv_cache, out, scale, sliding_window=-1) -> None:
+    return None
+
+
+@torch.library.custom_op("kvgraph::unified_mla_attention", mutates_args=("kv_cache", "out"))
+def unified_mla_attention(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: list[torch.Tensor],
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Paged causal MLA over the latent cache; the output is in the latent space."""
+    num_tokens, num_heads, kv_lora_rank = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    _check_shape("q_pe", q_pe, (num_tokens, num_heads, rope_dim))
+    _check_shape("kv_c", kv_c, (num_tokens, kv_lora_rank))
+    _check_shape("k_pe", k_pe, (num_tokens, rope_dim))
+    _check_shape("out", out, (num_tokens, num_heads, kv_lora_rank))
+    _check_cache(kv_cache, ((0, kv_lora_rank), (0, rope_dim)))
+    metadata, backend = _metadata(num_tokens)
+    get_attention_backend(backend, q_latent.device).forward_mla(
+        q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale
+    )
+
+
+@unified_mla_attention.register_fake
+def _(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale) -> None:
+    return None
+
+
+@torch.library.custom_op("kvgraph::encoder_attention", mutates_args=("out",))
+def encoder_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, scale: float
+) -> None:
+    """Bidirectional attention within each request's new tokens; no KV cache."""
+    num_tokens, num_heads, head_size = query.shape
+    _check_shape("key", key, (num_tokens, key.shape[1], head_size))
+    _check_shape("value", value, tuple(key.shape))
+    _check_shape("out", out, (num_tokens, num_heads, head_size))
+    metadata, backend = _metadata(num_tokens)
+    get_attention_backend(backend, query.device).forward_encoder(
+        query, key, value, out, metadata, scale
+    )
+
+
+@encoder_attention.register_fake
+def _(query, key, value, out, scale) -> None:
+    return None

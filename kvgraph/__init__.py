@@ -9,7 +9,11 @@ from kvgraph.attention.metadata import (
     build_attention_metadata,
     build_model_inputs,
 )
+from kvgraph.backend import KVGraphBackend, kvgraph_backend
 from kvgraph.binding import bind_kv_cache
+from kvgraph.compile import CompiledModel, compile_model, mark_token_dims
+from kvgraph.config import CompilationConfig, GraphMode, add_cli_args
+from kvgraph.counters import CompileCounters, compile_counters
 from kvgraph.errors import BatchError, ForwardContextError, KVCacheError
 from kvgraph.forward_context import (
     BatchDescriptor,
@@ -17,6 +21,7 @@ from kvgraph.forward_context import (
     get_forward_context,
     set_forward_context,
 )
+from kvgraph.version import __version__
 from kvgraph.kv_cache import (
     AttentionSpec,
     KVCacheSpec,
@@ -26,9 +31,18 @@ from kvgraph.kv_cache import (
     kv_cache_specs,
 )
 
-__version__ = "0.1.0"
 
 __all__ = [
+    "CompilationConfig",
+    "CompileCounters",
+    "CompiledModel",
+    "GraphMode",
+    "KVGraphBackend",
+    "add_cli_args",
+    "compile_counters",
+    "compile_model",
+    "kvgraph_backend",
+    "mark_token_dims",
     "PADDING_SLOT",
     "Attention",
     "AttentionMetadata",
@@ -51,3 +65,20 @@ __all__ = [
     "kv_cache_specs",
     "set_forward_context",
 ]
+
+
+def _register_backend_without_entry_point() -> None:
+    """Register `backend="kvgraph"` when running from a source tree that was never installed.
+
+    An installed kvgraph is found through its `torch_dynamo_backends` entry point; registering
+    it a second time here would make Dynamo's lookup fail with "duplicate name".
+    """
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "kvgraph" for ep in entry_points(group="torch_dynamo_backends")):
+        from torch._dynamo import register_backend
+
+        register_backend(kvgraph_backend, name="kvgraph")
+
+
+_register_backend_without_entry_point()

@@ -1,0 +1,1 @@
+"""Example models and demos built on kvgraph."""

@@ -1,0 +1,195 @@
+"""The decoder-only skeleton both example models share: HF module tree, config, weights.
+
+A model subclasses `CausalLM` and supplies its config class, its attention module and its
+presets; everything else (the module tree Hugging Face checkpoints expect, building from a
+`config.json` dict, loading a state dict or seeding random weights) lives here once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable, ClassVar, Mapping
+
+import torch
+from torch import nn
+
+from .layers import MLP, RMSNorm
+
+# Standard deviation of seeded random weights: small enough that activations stay sane.
+INIT_STD = 0.02
+# State-dict keys some HF checkpoints carry that hold no weights (recomputed from the config).
+IGNORED_KEY_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """What every example decoder reads from a HF `config.json`; subclasses add attention fields.
+
+    Build it with `from_hf`: keys these models do not use are ignored, a JSON `null` means the
+    default, and every number must be positive.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+
+    # HF keys whose other values these examples do not implement, with the one value they do.
+    supported_only: ClassVar[Mapping[str, Any]] = {
+        "rope_scaling": None, "hidden_act": "silu", "mlp_bias": False,
+    }
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
+        """The config of a HF `config.json` dict; a clear error for missing or unsupported keys."""
+        for key, supported in cls.supported_only.items():
+            value = config.get(key)
+            if value is not None and value != supported:
+                raise NotImplementedError(
+                    f"{cls.__name__}: {key}={value!r} is not implemented by this example model; "
+                    f"only {supported!r} is supported"
+                )
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in config.items() if k in known and v is not None}
+        missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
+        if missing:
+            raise ValueError(
+                f"{cls.__name__}: the config lacks required key(s) {missing}; "
+                f"it has {sorted(config)}"
+            )
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+                raise ValueError(f"{type(self).__name__}.{f.name} must be > 0, got {value}")
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm transformer block: attention, then the MLP, each inside a residual."""
+
+    def __init__(self, config: DecoderConfig, self_attn: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """The `model.` part of a HF causal LM: token embeddings, decoder layers, final norm.
+
+    `make_attention(config, prefix)` builds each layer's `self_attn`; `prefix` is its module
+    path (`model.layers.3.self_attn`), from which kvgraph layer names are made.
+    """
+
+    def __init__(self, config: DecoderConfig,
+                 make_attention: Callable[[DecoderConfig, str], nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, make_attention(config, f"model.layers.{i}.self_attn"))
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """Base of the example models: `forward(input_ids [T], positions [T]) -> hidden [T, hidden]`.
+
+    Subclasses set `config_class`, `attention_class` (called as `attention_class(config,
+    prefix)`) and `presets` (name -> HF config dict). The module tree mirrors HF's
+    `*ForCausalLM`, so a HF state dict loads under its own names.
+    """
+
+    config_class: ClassVar[type[DecoderConfig]]
+    attention_class: ClassVar[Callable[[DecoderConfig, str], nn.Module]]
+    presets: ClassVar[Mapping[str, Mapping[str, Any]]]
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, type(self).attention_class)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make `lm_head` share the embedding matrix when the config asks for it."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden]` -> `[N, vocab_size]` logits."""
+        return self.lm_head(hidden)
+
+    @classmethod
+    def from_preset(cls, name: str, **kwargs: Any) -> CausalLM:
+        """The model of preset `name`; `kwargs` go to `from_hf` (dtype, device, seed, ...)."""
+        if name not in cls.presets:
+            raise ValueError(f"unknown {cls.__name__} preset {name!r}; available: {sorted(cls.presets)}")
+        return cls.from_hf(dict(cls.presets[name]), **kwargs)
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None = None,
+                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                *, seed: int = 0) -> CausalLM:
+        """The model of a HF config dict, with `state_dict`'s weights or seeded random ones."""
+        # Built on the meta device so no memory is filled twice and no global RNG is consumed.
+        with torch.device("meta"):
+            model = cls(cls.config_class.from_hf(config))
+        model = model.to(dtype).to_empty(device=device)
+        model.tie_weights()  # moving off the meta device makes new parameters: tie them again
+        if state_dict is None:
+            model.init_random(seed)
+        else:
+            model.load_hf_state_dict(state_dict)
+        # Inference weights: no autograd graph is recorded even outside torch.no_grad().
+        return model.eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Seeded weights, identical on every device and dtype: N(0, INIT_STD), norm scales 1."""
+        generator = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):  # every RMSNorm scale's HF name ends so
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load HF-named weights; a ValueError naming every missing or unexpected key."""
+        given = {k: v for k, v in state_dict.items() if not k.endswith(IGNORED_KEY_SUFFIXES)}
+        expected = set(self.state_dict())
+        if self.config.tie_word_embeddings:
+            # HF ties after loading, so the embedding wins over a stored lm_head copy.
+            given.pop("lm_head.weight", None)
+            expected.discard("lm_head.weight")
+        missing, unexpected = sorted(expected - given.keys()), sorted(given.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"{type(self).__name__}: the state dict does not match the model: "
+                f"missing keys {missing}, unexpected keys {unexpected}"
+            )
+        self.load_state_dict(given, strict=False)

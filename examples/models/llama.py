@@ -1,0 +1,101 @@
+"""A Llama-style decoder (GQA, RoPE, RMSNorm, SwiGLU) whose attention reads kvgraph's paged cache.
+
+Plain PyTorch: the model knows nothing of compilation. Its module tree and parameter names are
+those of Hugging Face's `LlamaForCausalLM`, so a HF Llama state dict loads as it is. A config
+with `sliding_window` (Mistral-style) gives every layer that window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import kvgraph
+
+from .causal_lm import CausalLM, DecoderConfig
+from .layers import RotaryEmbedding
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Fast enough for unit tests.
+    "tiny": {
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": False,
+    },
+    # Big enough that a step costs something, small enough for a CPU demo.
+    "small": {
+        "vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
+    },
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaConfig(DecoderConfig):
+    """A HF Llama `config.json`: `num_key_value_heads` defaults to the head count and
+    `head_dim` to `hidden_size // num_attention_heads`."""
+
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    attention_bias: bool = False
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        # Frozen: the derived defaults are filled in the one place the config is built.
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                    f"({self.num_attention_heads}); give head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        super().__post_init__()
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention: projections and RoPE here, the paged part in kvgraph."""
+
+    def __init__(self, config: LlamaConfig, prefix: str):
+        super().__init__()
+        heads, kv_heads, head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        )
+        bias = config.attention_bias
+        self.head_dim = head_dim
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=bias)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.rope_theta)
+        self.attn = kvgraph.Attention(
+            heads, head_dim, head_dim**-0.5, kv_heads, f"{prefix}.attn",
+            sliding_window=config.sliding_window,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, -1, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, -1, self.head_dim)
+        query, key = self.rotary_emb(positions, query, key)
+        out = self.attn(query.flatten(1), key.flatten(1), self.v_proj(hidden))
+        return self.o_proj(out)
+
+
+class Llama(CausalLM):
+    """Llama-style causal LM; build it with `Llama.from_hf(config, state_dict)` or
+    `Llama.from_preset("tiny")`."""
+
+    config_class = LlamaConfig
+    attention_class = LlamaAttention
+    presets = PRESETS

@@ -1,0 +1,127 @@
+"""The `kvgraph` torch.compile backend: passes, split at attention, per-size piece builds.
+
+`torch.compile(model, backend="kvgraph", options={...})` finds `kvgraph_backend` through the
+`torch_dynamo_backends` entry point; `options` keys are `CompilationConfig` fields.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import fx
+
+from kvgraph.cache import CompileCache, digest, graph_fingerprint, source_files_digest
+from kvgraph.config import CompilationConfig, GraphMode
+from kvgraph.counters import compile_counters
+from kvgraph.ops import ATTENTION_OPS
+from kvgraph.piece_compiler import make_piece_compiler
+from kvgraph.piecewise import PiecewiseBackend, build_piece, token_symbols
+from kvgraph.version import __version__
+from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_ops
+
+logger = logging.getLogger(__name__)
+
+# Modes whose graphs hold attention inside: the whole graph is one build, attention included.
+_WHOLE_GRAPH_MODES = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+
+
+def _example_values(gm: fx.GraphModule) -> list[Any]:
+    return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _traced_source_files() -> list[str]:
+    context = torch._guards.TracingContext.try_get()
+    if context is None:
+        return []
+    return [code.co_filename for code in context.get_traced_code() or []]
+
+
+class KVGraphBackend:
+    """Compiles each Dynamo graph it is given according to one `CompilationConfig`."""
+
+    def __init__(self, config: CompilationConfig | None = None):
+        self.config = config or CompilationConfig()
+        self.pass_manager = PassManager([REGISTERED_PASSES[name] for name in self.config.passes])
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 mode: str | None = None, options: Mapping[str, Any] | None = None) -> Callable:
+        if mode or options:
+            raise ValueError(
+                "this KVGraphBackend already has its config; pass mode/options to "
+                "CompilationConfig instead, or use backend='kvgraph'"
+            )
+        compile_counters.dynamo_graphs += 1
+        if self.config.graph_mode is GraphMode.EAGER:
+            return gm
+        start = time.perf_counter()
+        values = _example_values(gm)
+        if not token_symbols(values):
+            logger.warning(
+                "kvgraph: the token dimension was traced static, so each new batch size makes "
+                "Dynamo trace again. Mark it dynamic before the first call "
+                "(kvgraph.mark_token_dims(input_ids, positions)), or use kvgraph.compile_model "
+                "or kvgraph.ModelRunner, which do."
+            )
+        cache = self._compile_cache(gm)
+        with cache.inductor_dir() if cache else contextlib.nullcontext():
+            self.pass_manager(gm)
+            compiled = self._compile(gm, values, cache)
+        compile_counters.compile_seconds += time.perf_counter() - start
+        return compiled
+
+    def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None) -> Callable:
+        config = self.config
+        if config.graph_mode in _WHOLE_GRAPH_MODES or not config.splitting_ops:
+            patches = dict(config.inductor_options)
+            patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
+                                                                         or ATTENTION_OPS)
+            compiler = make_piece_compiler(config.piece_compiler, cache, patches)
+            compile_counters.pieces += 1
+            return build_piece(gm, values, config.compile_sizes, compiler,
+                               graph_fingerprint(gm))
+        return self._compile_pieces(gm, cache)
+
+    def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None) -> fx.GraphModule:
+        config = self.config
+        compiler = make_piece_compiler(config.piece_compiler, cache, config.inductor_options)
+        split = split_at_ops(gm, config.splitting_ops)
+        built: dict[str, PiecewiseBackend] = {}
+        for piece in split.pieces:
+            if piece.is_splitting_op:
+                continue
+            compile_counters.pieces += 1
+            fingerprint = graph_fingerprint(piece.graph_module)
+            if fingerprint not in built:
+                built[fingerprint] = build_piece(
+                    piece.graph_module, _example_values(piece.graph_module),
+                    config.compile_sizes, compiler, fingerprint,
+                )
+            # setattr rejects non-Modules; the split module's forward finds it in __dict__.
+            split.split_module.__dict__[piece.name] = built[fingerprint]
+        return split.split_module
+
+    def _compile_cache(self, gm: fx.GraphModule) -> CompileCache | None:
+        config = self.config
+        if not config.use_compile_cache or config.piece_compiler == "eager":
+            return None
+        device = next((v.device.type for v in _example_values(gm) if isinstance(v, torch.Tensor)),
+                      "cpu")
+        key = digest(
+            torch.__version__, __version__, device, self.pass_manager.uuid(),
+            config.replace(capture_sizes=None, cache_dir="", debug_dump_path=None,
+                           check_guards=False),
+            source_files_digest(_traced_source_files()),
+        )
+        return CompileCache(config.cache_dir, key)
+
+
+def kvgraph_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
+                    options: Mapping[str, Any] | None = None) -> Callable:
+    """The entry point torch.compile calls for `backend="kvgraph"`."""
+    overrides = {"mode": mode} if mode else {}
+    config = CompilationConfig.from_options(options, **overrides)
+    return KVGraphBackend(config)(gm, example_inputs)

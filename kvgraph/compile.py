@@ -1,0 +1,51 @@
+"""Compile a model with kvgraph so one trace serves every batch size, 1 included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvgraph.backend import KVGraphBackend
+from kvgraph.config import CompilationConfig
+
+
+def mark_token_dims(*tensors: torch.Tensor) -> None:
+    """Make dim 0 of each tensor dynamic for Dynamo's next trace, sizes 0 and 1 included.
+
+    Unbacked (rather than backed) symbols are used because Dynamo specialises backed sizes of
+    1, which would trace a second graph for one-token batches.
+    """
+    for tensor in tensors:
+        torch._dynamo.decorators.mark_unbacked(tensor, 0)
+
+
+class CompiledModel:
+    """A model compiled by kvgraph: call it as the model, with `(input_ids, positions)`.
+
+    After the first trace Dynamo's guards are dropped (`config.check_guards` keeps them): the
+    compiled code is only valid for the caches bound when it was traced, which ModelRunner
+    guarantees by binding before the first call and never rebinding to other shapes.
+    """
+
+    def __init__(self, model: nn.Module, config: CompilationConfig | None = None):
+        self.model = model
+        self.config = config or CompilationConfig()
+        self.backend = KVGraphBackend(self.config)
+        options: dict[str, Any] = {}
+        if not self.config.check_guards:
+            options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
+        self._compiled = torch.compile(model, backend=self.backend, options=options)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs: Any) -> Any:
+        mark_token_dims(input_ids, positions)
+        return self._compiled(input_ids, positions, **kwargs)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states)
+
+
+def compile_model(model: nn.Module, config: CompilationConfig | None = None) -> CompiledModel:
+    """Compile `model` with kvgraph (see `CompiledModel`)."""
+    return CompiledModel(model, config)

@@ -1,0 +1,29 @@
+"""Process-wide counts of what compilation did, for tests, benchmarks and logs."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class CompileCounters:
+    """What kvgraph's backend did since the last `reset()`."""
+
+    dynamo_graphs: int = 0  # graphs Dynamo handed to the backend (one per trace)
+    pieces: int = 0  # compute pieces seen across all graphs
+    unique_pieces: int = 0  # compute pieces after merging identical ones
+    builds: int = 0  # builds actually compiled (general + static), cache hits excluded
+    cache_hits: int = 0  # builds loaded from the compile cache
+    cache_corrupt: int = 0  # artifacts found damaged, discarded and rebuilt
+    compile_seconds: float = 0.0
+
+    def reset(self) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, field.default)
+
+    def snapshot(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+compile_counters = CompileCounters()

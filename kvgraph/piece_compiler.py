@@ -1,0 +1,77 @@
+"""What turns one FX graph piece into a callable: inductor (cached on disk) or nothing (eager)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Protocol, Sequence
+
+from torch import fx
+
+from kvgraph.cache import CompileCache
+from kvgraph.counters import compile_counters
+from kvgraph.piecewise import token_symbols
+
+logger = logging.getLogger(__name__)
+
+
+class PieceCompiler(Protocol):
+    """Builds a callable for `gm` from example inputs (symbolic for the general build)."""
+
+    name: str
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any], build_name: str) -> Callable:
+        ...
+
+
+class EagerPieceCompiler:
+    """Runs pieces as the traced FX code: no compile time, the reference for everything else."""
+
+    name = "eager"
+
+    def compile(self, gm, example_inputs, build_name):
+        return gm
+
+
+class InductorPieceCompiler:
+    """Builds pieces with `torch._inductor.standalone_compile`, through the compile cache."""
+
+    name = "inductor"
+
+    def __init__(self, cache: CompileCache | None, config_patches: dict[str, Any] | None = None):
+        self.cache = cache
+        self.config_patches = config_patches or {}
+
+    @staticmethod
+    def dynamic_shapes(example_inputs: Sequence[Any]) -> str:
+        """General builds keep Dynamo's (unbacked) token symbols; static builds have none."""
+        return "from_tracing_context" if token_symbols(example_inputs) else "from_example_inputs"
+
+    def compile(self, gm, example_inputs, build_name):
+        from torch._inductor import CompiledArtifact, standalone_compile
+
+        if self.cache is not None:
+            loaded = self.cache.load(build_name, lambda path: CompiledArtifact.load(path=path))
+            if loaded is not None:
+                compile_counters.cache_hits += 1
+                return loaded
+        start = time.perf_counter()
+        artifact = standalone_compile(
+            gm, list(example_inputs), dynamic_shapes=self.dynamic_shapes(example_inputs),
+            options={"config_patches": self.config_patches},
+        )
+        compile_counters.builds += 1
+        logger.debug("kvgraph: built %s in %.2f s", build_name, time.perf_counter() - start)
+        if self.cache is not None:
+            try:
+                self.cache.save(build_name, lambda path: artifact.save(path=path, format="binary"))
+            except RuntimeError as error:  # not serialisable: still usable in this process
+                logger.warning("kvgraph: could not cache %s: %s", build_name, error)
+        return artifact
+
+
+def make_piece_compiler(name: str, cache: CompileCache | None,
+                        config_patches: dict[str, Any] | None = None) -> PieceCompiler:
+    if name == "eager":
+        return EagerPieceCompiler()
+    return InductorPieceCompiler(cache, config_patches)

@@ -1,0 +1,24 @@
+"""FX graph passes for kvgraph: pure FX -> FX functions that know op names and nothing else."""
+
+from passes.attention_inplace import InplaceAttentionPass, inplace_attention
+from passes.noop_elimination import noop_elimination
+from passes.op_match import is_op_call, op_name
+from passes.pass_manager import GraphPass, PassManager
+from passes.split import Piece, SplitGraph, split_at_ops
+
+# Passes a config can enable by name, in the order they run.
+REGISTERED_PASSES = {"noop_elimination": GraphPass("noop_elimination", noop_elimination)}
+
+__all__ = [
+    "REGISTERED_PASSES",
+    "GraphPass",
+    "InplaceAttentionPass",
+    "PassManager",
+    "Piece",
+    "SplitGraph",
+    "inplace_attention",
+    "is_op_call",
+    "noop_elimination",
+    "op_name",
+    "split_at_ops",
+]

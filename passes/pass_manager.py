@@ -1,0 +1,49 @@
+"""An ordered list of named FX -> FX passes, with an identity that enters compile-cache keys."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from torch import fx
+
+PassFn = Callable[[fx.GraphModule], None]
+PassObserver = Callable[[str, fx.GraphModule], None]
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """One named pass: `fn` rewrites the graph module in place."""
+
+    name: str
+    fn: PassFn
+
+    def uuid(self) -> str:
+        """Changes whenever the pass's source does, so cached builds made by an old pass miss."""
+        source = inspect.getsource(inspect.getmodule(self.fn))
+        return hashlib.sha256(f"{self.name}\n{source}".encode()).hexdigest()
+
+
+class PassManager:
+    """Runs passes in order; `observer(name, gm)` sees the graph after each (for debug dumps)."""
+
+    def __init__(self, passes: Sequence[GraphPass], observer: PassObserver | None = None):
+        self.passes = tuple(passes)
+        self.observer = observer
+
+    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
+        for graph_pass in self.passes:
+            graph_pass.fn(gm)
+            gm.graph.lint()
+            gm.recompile()
+            if self.observer is not None:
+                self.observer(graph_pass.name, gm)
+        return gm
+
+    def uuid(self) -> str:
+        digest = hashlib.sha256()
+        for graph_pass in self.passes:
+            digest.update(graph_pass.uuid().encode())
+        return digest.hexdigest()

@@ -11,3 +11,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory):
+    """One kvgraph (and so inductor) cache dir for the whole run: cold compiles happen once."""
+    return str(tmp_path_factory.mktemp("kvgraph-cache"))
+
+
+@pytest.fixture
+def inductor_config(compile_cache_dir):
+    from kvgraph import CompilationConfig
+
+    return CompilationConfig(piece_compiler="inductor", compile_sizes=(4,), cache_dir=compile_cache_dir)

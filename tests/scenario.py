@@ -1,0 +1,91 @@
+"""A fixed multi-step batch schedule run through any forward: how eager and graph are compared.
+
+Token ids are fixed in advance (teacher forcing), so two runs see identical batches whatever
+their logits; block tables are shuffled so pages are not contiguous.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import kvgraph
+from examples.models.deepseek_mla import DeepseekMLA
+from examples.models.llama import Llama
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+MODELS = {"llama": Llama, "deepseek_mla": DeepseekMLA}
+
+# Each step: (request, new tokens) in batch order. Mixed prefill, chunked prefill and decode;
+# batch sizes 1, 3, 4, 11, 17, 19, ... so some fall between and above typical compile sizes.
+SCHEDULE = [
+    [(0, 9), (1, 4)],
+    [(0, 1), (1, 5), (2, 13)],
+    [(0, 1), (1, 1), (2, 1)],
+    [(2, 1)],
+    [(0, 1), (3, 6), (1, 1), (2, 1)],
+    [(3, 1), (2, 1), (1, 1), (0, 1)],
+    [(0, 1), (1, 1)],
+]
+
+
+def make_model(kind: str, num_layers: int | None = None, seed: int = 0) -> torch.nn.Module:
+    cls = MODELS[kind]
+    config = dict(cls.presets["tiny"])
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    return cls.from_hf(config, seed=seed)
+
+
+def bind_fresh_caches(model: torch.nn.Module, num_blocks: int = NUM_BLOCKS) -> dict:
+    specs = kvgraph.kv_cache_specs(model, BLOCK_SIZE, torch.float32)
+    caches = kvgraph.allocate_kv_caches(specs, num_blocks, "cpu")
+    kvgraph.bind_kv_cache(kvgraph.attention_layers(model), caches)
+    return caches
+
+
+@dataclass
+class Request:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed: int = 0
+
+
+def make_requests(vocab_size: int, seed: int = 0, schedule=SCHEDULE) -> dict[int, Request]:
+    rng = random.Random(seed)
+    lengths: dict[int, int] = {}
+    for step in schedule:
+        for req, n in step:
+            lengths[req] = lengths.get(req, 0) + n
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    requests = {}
+    for req, length in sorted(lengths.items()):
+        blocks = [free.pop() for _ in range(-(-length // BLOCK_SIZE))]
+        requests[req] = Request([rng.randrange(vocab_size) for _ in range(length)], blocks)
+    return requests
+
+
+def run_schedule(forward: Callable, model: torch.nn.Module, schedule=SCHEDULE, seed: int = 0
+                 ) -> list[torch.Tensor]:
+    """Run every step through `forward(input_ids, positions)`; logits of each chunk's last token."""
+    requests = make_requests(model.config.vocab_size, seed, schedule)
+    step_logits = []
+    for step in schedule:
+        chunks = []
+        for req, n in step:
+            r = requests[req]
+            chunks.append(kvgraph.RequestChunk(
+                r.token_ids[r.num_computed:r.num_computed + n], r.num_computed, r.block_ids))
+            r.num_computed += n
+        metadata = kvgraph.build_attention_metadata(chunks, BLOCK_SIZE, "cpu")
+        input_ids, positions = kvgraph.build_model_inputs(chunks, "cpu")
+        with torch.no_grad(), kvgraph.set_forward_context(metadata):
+            hidden = forward(input_ids, positions)
+        last = metadata.query_start_loc[1:].long() - 1
+        step_logits.append(model.compute_logits(hidden[last]))
+    return step_logits

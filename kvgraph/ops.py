@@ -25,13 +25,23 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
 
 
-def _check_cache(kv_cache: list[torch.Tensor], block_shapes: tuple[tuple[int, ...], ...]) -> None:
+def _check_cache(kv_cache: list[torch.Tensor], block_shapes: tuple[tuple[int, ...], ...],
+                 metadata: AttentionMetadata) -> None:
+    """Rows match the layer, and every tensor is `[num_blocks, metadata.block_size, ...]` alike."""
     got = tuple(tuple(t.shape[2:]) for t in kv_cache)
     expected = tuple(shape[1:] for shape in block_shapes)
     if got != expected:
         raise ValueError(
             f"kv_cache: expected {len(expected)} tensors [num_blocks, block_size, *row] with rows "
             f"{expected}, got rows {got}"
+        )
+    leading = {tuple(t.shape[:2]) for t in kv_cache}
+    num_blocks = kv_cache[0].shape[0]
+    if leading != {(num_blocks, metadata.block_size)}:
+        raise ValueError(
+            f"kv_cache: expected every tensor to be [num_blocks, block_size={metadata.block_size}"
+            f", ...] with one num_blocks (a block id must address the same slots in each), got "
+            f"leading dims {[tuple(t.shape[:2]) for t in kv_cache]}"
         )
 
 
@@ -61,11 +71,16 @@ def unified_attention(
     """Paged causal attention; `sliding_window` -1 means none. Shapes: see AttentionBackend."""
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"query has {num_heads} heads and key {num_kv_heads}: expected num_heads to be a "
+            f"multiple of num_kv_heads"
+        )
     _check_shape("key", key, (num_tokens, num_kv_heads, head_size))
     _check_shape("value", value, (num_tokens, num_kv_heads, head_size))
     _check_shape("out", out, (num_tokens, num_heads, head_size))
-    _check_cache(kv_cache, ((0, num_kv_heads, head_size),) * 2)
     metadata, backend = _metadata(num_tokens)
+    _check_cache(kv_cache, ((0, num_kv_heads, head_size),) * 2, metadata)
     get_attention_backend(backend, query.device).forward(
         query, key, value, kv_cache, out, metadata, scale,
         sliding_window if sliding_window > 0 else None,
@@ -94,8 +109,8 @@ def unified_mla_attention(
     _check_shape("kv_c", kv_c, (num_tokens, kv_lora_rank))
     _check_shape("k_pe", k_pe, (num_tokens, rope_dim))
     _check_shape("out", out, (num_tokens, num_heads, kv_lora_rank))
-    _check_cache(kv_cache, ((0, kv_lora_rank), (0, rope_dim)))
     metadata, backend = _metadata(num_tokens)
+    _check_cache(kv_cache, ((0, kv_lora_rank), (0, rope_dim)), metadata)
     get_attention_backend(backend, q_latent.device).forward_mla(
         q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale
     )

@@ -127,6 +127,22 @@ def test_metadata_hand_checked_example():
     assert pos.tolist() == [0, 1, 2, 5, 3, 4]
 
 
+def test_one_token_chunks_count_as_decode_tokens():
+    """Decode tokens are those of requests adding exactly one token, a first step included."""
+    chunks = [
+        kvgraph.RequestChunk([5], 0, [0]),  # a one-token prompt: adds exactly one token
+        kvgraph.RequestChunk([6], 9, [1, 2, 3]),
+        kvgraph.RequestChunk([7, 8], 0, [4]),
+        kvgraph.RequestChunk([9, 10], 6, [5, 6]),
+    ]
+    md = kvgraph.build_attention_metadata(chunks, 4, "cpu")
+    assert (md.num_decode_tokens, md.num_prefill_tokens) == (2, 4)
+    assert not md.uniform_decode
+    md = kvgraph.build_attention_metadata(chunks[:2], 4, "cpu")
+    assert (md.num_decode_tokens, md.num_prefill_tokens) == (2, 0)
+    assert md.uniform_decode and md.max_query_len == 1
+
+
 def test_metadata_extra_block_ids_do_not_change_slots():
     """A block table longer than the sequence needs (blocks reserved ahead) is accepted."""
     chunks = [kvgraph.RequestChunk([1, 2], 1, [5, 3, 8, 6]), kvgraph.RequestChunk([3], 0, [1, 2])]
@@ -146,14 +162,16 @@ def test_model_inputs_match_metadata_order(seed):
     assert input_ids.dtype == torch.long and positions.dtype == torch.long
     assert input_ids.tolist() == [t for c in chunks for t in c.token_ids]
     assert positions.tolist() == [
-        p for c in chunks for p in range(c.num_computed_tokens, c.num_computed_tokens + len(c.token_ids))
+        p for c in chunks
+        for p in range(c.num_computed_tokens, c.num_computed_tokens + len(c.token_ids))
     ]
     # Same order as the metadata: each token's slot is its position's slot in its request.
     md = kvgraph.build_attention_metadata(chunks, block_size, "cpu")
     owner = [r for r, c in enumerate(chunks) for _ in c.token_ids]
     for t, (r, p) in enumerate(zip(owner, positions.tolist())):
         c = chunks[r]
-        assert md.slot_mapping[t].item() == c.block_ids[p // block_size] * block_size + p % block_size
+        slot = c.block_ids[p // block_size] * block_size + p % block_size
+        assert md.slot_mapping[t].item() == slot
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -258,3 +276,17 @@ def test_batch_descriptor_rejects_bad_num_reqs(num_reqs):
 def test_batch_descriptor_accepts_edges():
     assert kvgraph.BatchDescriptor(1, 1, True).num_reqs == 1
     assert kvgraph.BatchDescriptor(4, 4).num_reqs == 4
+
+
+def test_block_ids_beyond_int32_and_unused_negative_ids_are_rejected():
+    with pytest.raises(BatchError, match=r"chunk 0: block ids must lie in \[0, 2147483647\)"):
+        kvgraph.build_attention_metadata([kvgraph.RequestChunk([1], 0, [2**31])], 4)
+    with pytest.raises(BatchError, match="chunk 1: block ids"):
+        kvgraph.build_attention_metadata(
+            [kvgraph.RequestChunk([1], 0, [0]), kvgraph.RequestChunk([1], 0, [3, 7, -1])], 4)
+
+
+def test_block_table_rows_hold_only_the_blocks_a_sequence_uses():
+    md = kvgraph.build_attention_metadata(
+        [kvgraph.RequestChunk([1] * 9, 0, [5, 6, 7]), kvgraph.RequestChunk([1], 0, [3, 8, 9])], 4)
+    assert md.block_table.tolist() == [[5, 6, 7], [3, 0, 0]]

@@ -183,7 +183,8 @@ def hf_llama_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 def hf_deepseek_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """The dense-layer parameter names and shapes of HF's DeepSeek-V2 for `config`."""
-    hidden, heads, rank = config["hidden_size"], config["num_attention_heads"], config["kv_lora_rank"]
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    rank = config["kv_lora_rank"]
     nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
     q_rank = config.get("q_lora_rank")
     shapes = {name: shape for name, shape in hf_llama_shapes(config).items()
@@ -296,7 +297,8 @@ def test_llama_config_defaults_follow_hf():
     config = LlamaConfig.from_hf({k: LLAMA_PRESETS["tiny"][k] for k in required})
     assert config.num_key_value_heads == config.num_attention_heads == 4
     assert config.head_dim == 16
-    assert (config.rms_norm_eps, config.rope_theta, config.tie_word_embeddings) == (1e-6, 1e4, False)
+    assert config.rms_norm_eps == 1e-6 and config.rope_theta == 1e4
+    assert not config.tie_word_embeddings
 
 
 def test_deepseek_config_with_experts_but_only_dense_layers_is_accepted():

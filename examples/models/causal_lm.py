@@ -145,13 +145,21 @@ class CausalLM(nn.Module):
     def from_preset(cls, name: str, **kwargs: Any) -> CausalLM:
         """The model of preset `name`; `kwargs` go to `from_hf` (dtype, device, seed, ...)."""
         if name not in cls.presets:
-            raise ValueError(f"unknown {cls.__name__} preset {name!r}; available: {sorted(cls.presets)}")
+            raise ValueError(
+                f"unknown {cls.__name__} preset {name!r}; available: {sorted(cls.presets)}"
+            )
         return cls.from_hf(dict(cls.presets[name]), **kwargs)
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], state_dict: Mapping[str, torch.Tensor] | None = None,
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                *, seed: int = 0) -> CausalLM:
+    def from_hf(
+        cls,
+        config: Mapping[str, Any],
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        *,
+        seed: int = 0,
+    ) -> CausalLM:
         """The model of a HF config dict, with `state_dict`'s weights or seeded random ones."""
         # Built on the meta device so no memory is filled twice and no global RNG is consumed.
         with torch.device("meta"):

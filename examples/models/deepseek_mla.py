@@ -45,7 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True, kw_only=True)
 class DeepseekMLAConfig(DecoderConfig):
-    """A HF DeepSeek-V2 `config.json`, dense layers only; `q_lora_rank` None is a full-rank query."""
+    """A HF DeepSeek-V2 `config.json`, dense layers only; `q_lora_rank` None: full-rank query."""
 
     kv_lora_rank: int
     qk_nope_head_dim: int
@@ -120,8 +120,10 @@ class DeepseekMLAAttention(nn.Module):
 
 
 class DeepseekMLA(CausalLM):
-    """DeepSeek-V2-style dense causal LM; build it with `DeepseekMLA.from_hf(config, state_dict)`
-    or `DeepseekMLA.from_preset("tiny")`."""
+    """The DeepSeek-V2-style dense causal LM with MLA attention.
+
+    Build it with `DeepseekMLA.from_hf(config, state_dict)` or `DeepseekMLA.from_preset("tiny")`.
+    """
 
     config_class = DeepseekMLAConfig
     attention_class = DeepseekMLAAttention

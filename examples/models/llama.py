@@ -36,8 +36,11 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig(DecoderConfig):
-    """A HF Llama `config.json`: `num_key_value_heads` defaults to the head count and
-    `head_dim` to `hidden_size // num_attention_heads`."""
+    """A HF Llama (or Mistral) `config.json`, validated.
+
+    `num_key_value_heads` defaults to the head count, `head_dim` to `hidden_size //
+    num_attention_heads`; `attention_bias` gives all four attention projections a bias.
+    """
 
     num_key_value_heads: int | None = None
     head_dim: int | None = None
@@ -45,6 +48,7 @@ class LlamaConfig(DecoderConfig):
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         # Frozen: the derived defaults are filled in the one place the config is built.
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
@@ -55,7 +59,6 @@ class LlamaConfig(DecoderConfig):
                     f"({self.num_attention_heads}); give head_dim explicitly"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        super().__post_init__()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -93,8 +96,10 @@ class LlamaAttention(nn.Module):
 
 
 class Llama(CausalLM):
-    """Llama-style causal LM; build it with `Llama.from_hf(config, state_dict)` or
-    `Llama.from_preset("tiny")`."""
+    """The Llama-style causal LM.
+
+    Build it with `Llama.from_hf(config, state_dict)` or `Llama.from_preset("tiny")`.
+    """
 
     config_class = LlamaConfig
     attention_class = LlamaAttention

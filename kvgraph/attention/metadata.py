@@ -11,6 +11,8 @@ from kvgraph.errors import BatchError
 
 # Slot id of a token whose key/value must not be written (padding).
 PADDING_SLOT = -1
+# Block tables are int32 (what device kernels take).
+MAX_BLOCK_ID = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -83,8 +85,10 @@ def _validate(chunks: Sequence[RequestChunk], block_size: int) -> None:
                 f"chunk {i}: a sequence of {chunk.seq_len} tokens needs {blocks_needed} blocks "
                 f"of size {block_size}, but its block table has {len(chunk.block_ids)}"
             )
-        if any(b < 0 for b in chunk.block_ids[:blocks_needed]):
-            raise BatchError(f"chunk {i}: block ids must be >= 0, got {list(chunk.block_ids)}")
+        if any(not 0 <= b < MAX_BLOCK_ID for b in chunk.block_ids):
+            raise BatchError(
+                f"chunk {i}: block ids must lie in [0, {MAX_BLOCK_ID}), got {list(chunk.block_ids)}"
+            )
 
 
 def build_attention_metadata(
@@ -99,7 +103,8 @@ def build_attention_metadata(
     block_table = torch.zeros(len(chunks), max_blocks, dtype=torch.int32)
     slots = []
     for r, chunk in enumerate(chunks):
-        blocks = torch.as_tensor(list(chunk.block_ids[:max_blocks]), dtype=torch.int32)
+        blocks = torch.as_tensor(list(chunk.block_ids[: -(-chunk.seq_len // block_size)]),
+                                 dtype=torch.int32)
         block_table[r, : len(blocks)] = blocks
         positions = torch.arange(chunk.num_computed_tokens, chunk.seq_len)
         slots.append(block_table[r, positions // block_size].long() * block_size

@@ -92,7 +92,11 @@ def attend(
     scores = torch.einsum("rqhgd,rkhd->rhgqk", q, keys.to(acc)) * scale
 
     key_pos = torch.arange(keys.shape[1], device=keys.device)
-    visible = key_pos < key_lens[:, None, None]  # [R, 1, K]
+    in_sequence = key_pos < key_lens[:, None]  # [R, K]
+    # Rows past a sequence's end hold stale bytes (a freed block, padding block 0): a NaN there
+    # would survive its zero weight (0 * NaN), so they are zeroed before the product.
+    values = values.masked_fill(~in_sequence[:, :, None, None], 0)
+    visible = in_sequence[:, None, :]  # [R, 1, K]
     if causal:
         query_pos = (key_lens - query_lens)[:, None] + torch.arange(max_q, device=keys.device)
         visible = visible & (key_pos <= query_pos[:, :, None])

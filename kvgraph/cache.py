@@ -42,9 +42,12 @@ def source_files_digest(paths: Iterable[str]) -> str:
     """The digest of the contents of the given source files (missing files count as absent)."""
     hasher = hashlib.sha256()
     for path in sorted(set(paths)):
-        hasher.update(path.encode())
-        with contextlib.suppress(OSError):
-            hasher.update(Path(path).read_bytes())
+        try:
+            content = Path(path).read_bytes()
+        except OSError:
+            content = None
+        hasher.update(repr((path, None if content is None else hashlib.sha256(content).digest()))
+                      .encode())
     return hasher.hexdigest()
 
 
@@ -79,7 +82,8 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         target = node.target
         if callable(target):
-            target = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+            # The qualified name, not __qualname__: boolean-dispatched functions share one of those.
+            target = fx.node._get_qualified_name(target)
         if node.op == "placeholder":
             lines.append(f"in {_describe(node.meta.get('example_value', node.meta.get('val')), symbols)}")
         else:

@@ -89,8 +89,11 @@ class CompilationConfig:
         for name in self.passes:
             _check_choice("passes", name, PASSES)
         for op in self.splitting_ops:
-            if op.count("::") != 1:
-                raise ValueError(f"splitting_ops entries are 'namespace::op', got {op!r}")
+            namespace, _, name = op.partition("::")
+            if not namespace or not name or "::" in name or "." in name:
+                raise ValueError(
+                    f"splitting_ops entries are 'namespace::op' (no overload), got {op!r}"
+                )
 
     @property
     def capture_size_list(self) -> tuple[int, ...]:

@@ -11,3 +11,11 @@ class ForwardContextError(RuntimeError):
 
 class BatchError(ValueError):
     """A batch of request chunks cannot be turned into attention metadata."""
+
+
+class PlatformError(RuntimeError):
+    """The device asked for cannot be used (no such platform, or its runtime is missing)."""
+
+
+class GraphError(RuntimeError):
+    """A captured graph was replayed in a way that breaks the graph contract."""

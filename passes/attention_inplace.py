@@ -19,10 +19,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from passes.op_match import op_name
 
-_AUTO_FUNCTIONALIZED = (
-    torch.ops.higher_order.auto_functionalized_v2,
-    torch.ops.higher_order.auto_functionalized,
-)
 _VIEW_SUFFIXES = ("_size", "_stride", "_storage_offset", "_slice_dim", "_slice_start",
                   "_slice_end", "_alias")
 
@@ -38,7 +34,7 @@ def _mutable_args(op: torch._ops.OpOverload) -> list[tuple[str, bool]]:
 
 def _base_of(kwargs: dict, bases: list, key: str) -> fx.Node | None:
     """The base a mutated argument is, or None when it is a view of one (left to inductor)."""
-    if any(key + suffix in kwargs for suffix in _VIEW_SUFFIXES):
+    if any(f"_{key}{suffix}" in kwargs for suffix in _VIEW_SUFFIXES):
         return None
     return bases[kwargs[f"_{key}_base_index"]]
 

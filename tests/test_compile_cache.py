@@ -390,9 +390,6 @@ def test_fingerprint_differs_when_a_constant_argument_differs():
         graph_fingerprint(dynamo_graph(view_4_4, x))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: graph_fingerprint names a call target by "
-                   "__module__.__qualname__, which is 'torch.nn.functional.boolean_dispatch."
-                   "<locals>.fn' for F.max_pool1d and F.max_pool2d alike, so different ops collide")
 def test_fingerprint_distinguishes_boolean_dispatch_ops():
     def pool1d(x):
         return F.max_pool1d(x, 2) + 1

@@ -174,10 +174,8 @@ def test_bad_splitting_op_name_rejected(bad):
     assert "namespace::op" in message
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: splitting_ops validation only counts '::', so an "
-                   "entry with an empty namespace or op name is accepted")
-@pytest.mark.parametrize("bad", ["kvgraph::", "::unified_attention"])
-def test_splitting_op_with_empty_part_rejected(bad):
+@pytest.mark.parametrize("bad", ["kvgraph::", "::unified_attention", "kvgraph::unified_attention.default"])
+def test_splitting_op_with_empty_part_or_overload_rejected(bad):
     with pytest.raises(ValueError, match="splitting_ops"):
         make(splitting_ops=(bad,))
 

@@ -576,9 +576,6 @@ def test_inplace_attention_ignores_other_ops():
     assert len(_auto_functionalized(gm)) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: passes/attention_inplace._base_of looks for "
-                   "'kv_cache_0_slice_dim' but auto_functionalized_v2 names it "
-                   "'_kv_cache_0_slice_dim', so a view argument is rewritten to its whole base")
 def test_inplace_attention_leaves_views_alone():
     metadata, args = inplace_inputs(seed=6)
     gm = aot_graph(sliced_cache, args, metadata)

@@ -1,0 +1,30 @@
+"""Platforms by device type; each is created once per process (it owns the graph pool)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgraph.errors import PlatformError
+from kvgraph.platforms.base import DeviceGraph, Platform
+
+_platforms: dict[str, Platform] = {}
+
+
+def get_platform(device: torch.device | str) -> Platform:
+    """The platform of `device` (`cpu`, `cuda[:i]`, `npu[:i]`)."""
+    # Not torch.device(): without torch_npu loaded, torch does not know the "npu" type.
+    device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if device_type not in _platforms:
+        if device_type == "cpu":
+            from kvgraph.platforms.cpu import CPUPlatform as platform_class
+        elif device_type == "cuda":
+            from kvgraph.platforms.cuda import CUDAPlatform as platform_class
+        elif device_type == "npu":
+            from kvgraph.platforms.npu import NPUPlatform as platform_class
+        else:
+            raise PlatformError(f"no kvgraph platform for device {device!r}; have cpu, cuda, npu")
+        _platforms[device_type] = platform_class()
+    return _platforms[device_type]
+
+
+__all__ = ["DeviceGraph", "Platform", "get_platform"]

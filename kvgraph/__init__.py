@@ -13,7 +13,8 @@ from kvgraph.backend import KVGraphBackend, kvgraph_backend
 from kvgraph.binding import bind_kv_cache
 from kvgraph.compile import CompiledModel, compile_model, mark_token_dims
 from kvgraph.config import CompilationConfig, GraphMode, add_cli_args
-from kvgraph.counters import CompileCounters, compile_counters
+from kvgraph.counters import CompileCounters, GraphCounters, compile_counters, graph_counters
+from kvgraph.dispatcher import Dispatcher, GraphSupport
 from kvgraph.errors import BatchError, ForwardContextError, KVCacheError
 from kvgraph.forward_context import (
     BatchDescriptor,
@@ -21,6 +22,7 @@ from kvgraph.forward_context import (
     get_forward_context,
     set_forward_context,
 )
+from kvgraph.runner import ModelRunner
 from kvgraph.version import __version__
 from kvgraph.kv_cache import (
     AttentionSpec,
@@ -35,6 +37,11 @@ from kvgraph.kv_cache import (
 __all__ = [
     "CompilationConfig",
     "CompileCounters",
+    "Dispatcher",
+    "GraphCounters",
+    "GraphSupport",
+    "ModelRunner",
+    "graph_counters",
     "CompiledModel",
     "GraphMode",
     "KVGraphBackend",

@@ -17,9 +17,11 @@ from torch import fx
 from kvgraph.cache import CompileCache, digest, graph_fingerprint, source_files_digest
 from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.counters import compile_counters
+from kvgraph.graphs import GraphWrapper
 from kvgraph.ops import ATTENTION_OPS
 from kvgraph.piece_compiler import make_piece_compiler
 from kvgraph.piecewise import PiecewiseBackend, build_piece, token_symbols
+from kvgraph.platforms import Platform, get_platform
 from kvgraph.version import __version__
 from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_ops
 
@@ -27,10 +29,16 @@ logger = logging.getLogger(__name__)
 
 # Modes whose graphs hold attention inside: the whole graph is one build, attention included.
 _WHOLE_GRAPH_MODES = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+_FULL_GRAPH_MODES = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
+_PIECEWISE_GRAPH_MODES = (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
 
 
 def _example_values(gm: fx.GraphModule) -> list[Any]:
     return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _device_of(values: list[Any]) -> torch.device:
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
 def _traced_source_files() -> list[str]:
@@ -67,13 +75,18 @@ class KVGraphBackend:
                 "or kvgraph.ModelRunner, which do."
             )
         cache = self._compile_cache(gm)
+        platform = get_platform(_device_of(values))
         with cache.inductor_dir() if cache else contextlib.nullcontext():
             self.pass_manager(gm)
-            compiled = self._compile(gm, values, cache)
+            compiled = self._compile(gm, values, cache, platform)
         compile_counters.compile_seconds += time.perf_counter() - start
+        if self.config.graph_mode in _FULL_GRAPH_MODES:
+            compiled = GraphWrapper(compiled, platform, GraphMode.FULL, "full",
+                                    self.config.check_graph_inputs)
         return compiled
 
-    def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None) -> Callable:
+    def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None,
+                 platform: Platform) -> Callable:
         config = self.config
         if config.graph_mode in _WHOLE_GRAPH_MODES or not config.splitting_ops:
             patches = dict(config.inductor_options)
@@ -83,9 +96,10 @@ class KVGraphBackend:
             compile_counters.pieces += 1
             return build_piece(gm, values, config.compile_sizes, compiler,
                                graph_fingerprint(gm))
-        return self._compile_pieces(gm, cache)
+        return self._compile_pieces(gm, cache, platform)
 
-    def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None) -> fx.GraphModule:
+    def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None,
+                        platform: Platform) -> fx.GraphModule:
         config = self.config
         compiler = make_piece_compiler(config.piece_compiler, cache, config.inductor_options)
         split = split_at_ops(gm, config.splitting_ops)
@@ -100,20 +114,24 @@ class KVGraphBackend:
                     piece.graph_module, _example_values(piece.graph_module),
                     config.compile_sizes, compiler, fingerprint,
                 )
+            runnable: Callable = built[fingerprint]
+            if config.graph_mode in _PIECEWISE_GRAPH_MODES:
+                # One wrapper per position: identical pieces share builds, never graphs.
+                runnable = GraphWrapper(runnable, platform, GraphMode.PIECEWISE, piece.name,
+                                        config.check_graph_inputs)
             # setattr rejects non-Modules; the split module's forward finds it in __dict__.
-            split.split_module.__dict__[piece.name] = built[fingerprint]
+            split.split_module.__dict__[piece.name] = runnable
         return split.split_module
 
     def _compile_cache(self, gm: fx.GraphModule) -> CompileCache | None:
         config = self.config
         if not config.use_compile_cache or config.piece_compiler == "eager":
             return None
-        device = next((v.device.type for v in _example_values(gm) if isinstance(v, torch.Tensor)),
-                      "cpu")
         key = digest(
-            torch.__version__, __version__, device, self.pass_manager.uuid(),
+            torch.__version__, __version__, _device_of(_example_values(gm)).type,
+            self.pass_manager.uuid(),
             config.replace(capture_sizes=None, cache_dir="", debug_dump_path=None,
-                           check_guards=False),
+                           check_guards=False, check_graph_inputs=False),
             source_files_digest(_traced_source_files()),
         )
         return CompileCache(config.cache_dir, key)

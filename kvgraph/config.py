@@ -72,6 +72,7 @@ class CompilationConfig:
     cache_dir: str = dataclasses.field(default_factory=default_cache_dir)
     debug_dump_path: str | None = None
     check_guards: bool = False
+    check_graph_inputs: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -200,6 +201,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "cache_dir": lambda v: os.path.expanduser(str(v)),
     "debug_dump_path": _parse_optional_str,
     "check_guards": _parse_bool,
+    "check_graph_inputs": _parse_bool,
 }
 
 
@@ -221,6 +223,7 @@ _CLI_FIELDS = {
     "use_compile_cache": "compile_cache",
     "debug_dump_path": "debug_dump_path",
     "check_guards": "check_guards",
+    "check_graph_inputs": "check_graph_inputs",
 }
 
 
@@ -240,4 +243,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--debug-dump-path", help="write every compile stage under this directory")
     group.add_argument("--check-guards", action="store_true", default=None,
                        help="re-check Dynamo guards on every call (debugging)")
+    group.add_argument("--check-graph-inputs", action="store_true", default=None,
+                       help="check on every replay that graph inputs did not move (debugging)")
     return parser

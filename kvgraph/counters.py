@@ -26,4 +26,18 @@ class CompileCounters:
         return dataclasses.asdict(self)
 
 
+@dataclass
+class GraphCounters:
+    """What graph wrappers did since the last `reset()`."""
+
+    captures: int = 0
+    replays: int = 0
+    capture_seconds: float = 0.0
+    graph_bytes: int = 0  # output buffers (CPU) or pool growth (CUDA, NPU) of captured graphs
+
+    reset = CompileCounters.reset
+    snapshot = CompileCounters.snapshot
+
+
 compile_counters = CompileCounters()
+graph_counters = GraphCounters()

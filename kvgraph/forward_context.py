@@ -11,6 +11,7 @@ from kvgraph.errors import ForwardContextError
 
 if TYPE_CHECKING:
     from kvgraph.attention.metadata import AttentionMetadata
+    from kvgraph.config import GraphMode
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,15 @@ class ForwardContext:
     """What one forward call needs besides its inputs.
 
     `attn_backend` names the attention backend (see `kvgraph.attention.backends`); None picks
-    the default for the device the attention inputs live on.
+    the default for the device the attention inputs live on. `runtime_mode` is what the
+    dispatcher chose for this step (`NONE`, `PIECEWISE` or `FULL`): graph wrappers of that mode
+    capture or replay the `batch_descriptor`'s graph, all others just run.
     """
 
     attn_metadata: AttentionMetadata | None
     batch_descriptor: BatchDescriptor | None = None
     attn_backend: str | None = None
+    runtime_mode: GraphMode | None = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -58,12 +62,13 @@ def set_forward_context(
     attn_metadata: AttentionMetadata | None,
     batch_descriptor: BatchDescriptor | None = None,
     attn_backend: str | None = None,
+    runtime_mode: GraphMode | None = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention op called inside the block.
 
     Contexts nest: leaving an inner one restores the outer one, also on an exception.
     """
-    context = ForwardContext(attn_metadata, batch_descriptor, attn_backend)
+    context = ForwardContext(attn_metadata, batch_descriptor, attn_backend, runtime_mode)
     token = _current.set(context)
     try:
         yield context
@@ -84,6 +89,6 @@ def get_forward_context() -> ForwardContext:
     return context
 
 
-def has_forward_context() -> bool:
-    """Whether a forward context is active (for code that may run both inside and outside)."""
-    return _current.get() is not None
+def current_forward_context() -> ForwardContext | None:
+    """The active forward context, or None (for code that also runs outside one)."""
+    return _current.get()

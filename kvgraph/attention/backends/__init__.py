@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from kvgraph.attention.backends.base import AttentionBackend
+from kvgraph.attention.backends.base import AttentionBackend, GraphSupport
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
 
 _BACKENDS: dict[str, type] = {TorchNativeBackend.name: TorchNativeBackend}
 _instances: dict[str, AttentionBackend] = {}
+
+
+def register_attention_backend(backend_class: type) -> None:
+    """Make `backend_class` selectable by its `name` (device kernels, tests)."""
+    _BACKENDS[backend_class.name] = backend_class
+    _instances.pop(backend_class.name, None)
 
 
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
@@ -21,4 +27,10 @@ def get_attention_backend(name: str | None, device: torch.device) -> AttentionBa
     return _instances[name]
 
 
-__all__ = ["AttentionBackend", "TorchNativeBackend", "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "GraphSupport",
+    "TorchNativeBackend",
+    "get_attention_backend",
+    "register_attention_backend",
+]

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Protocol
 
 import torch
 
 from kvgraph.attention.metadata import AttentionMetadata
+
+
+class GraphSupport(enum.Enum):
+    """Which batches an attention backend can run inside a captured graph."""
+
+    ALWAYS = "always"
+    UNIFORM_DECODE = "uniform_decode"
+    NEVER = "never"
 
 
 class AttentionBackend(Protocol):
@@ -17,6 +26,7 @@ class AttentionBackend(Protocol):
     """
 
     name: str
+    graph_support: GraphSupport
 
     def forward(
         self,

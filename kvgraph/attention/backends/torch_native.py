@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from kvgraph.attention.backends.base import GraphSupport
 from kvgraph.attention.metadata import AttentionMetadata
 
 
@@ -116,6 +117,9 @@ class TorchNativeBackend:
     """The portable reference backend (see the module docstring)."""
 
     name = "torch_native"
+    # Mixed batches would need metadata padded to max_num_seqs x max_num_tokens queries to keep
+    # shapes fixed, which costs more than running attention outside the graph.
+    graph_support = GraphSupport.UNIFORM_DECODE
 
     def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window):
         key_cache, value_cache = kv_cache

@@ -1,0 +1,115 @@
+"""Choosing each step's graph: capture sizes, padding, and the descriptor per graph mode."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import logging
+from dataclasses import dataclass, field
+
+from kvgraph.attention.backends.base import GraphSupport
+from kvgraph.config import GraphMode
+from kvgraph.forward_context import BatchDescriptor
+
+logger = logging.getLogger(__name__)
+
+
+# What each mode becomes for a backend that cannot serve it, and why.
+_DOWNGRADES = {
+    GraphSupport.UNIFORM_DECODE: {GraphMode.FULL: GraphMode.FULL_AND_PIECEWISE},
+    GraphSupport.NEVER: {
+        GraphMode.FULL: GraphMode.PIECEWISE,
+        GraphMode.FULL_AND_PIECEWISE: GraphMode.PIECEWISE,
+        GraphMode.FULL_DECODE_ONLY: GraphMode.NONE,
+    },
+}
+
+
+def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str) -> GraphMode:
+    """`mode`, or the closest mode `backend` can serve, with a warning saying what and why."""
+    resolved = _DOWNGRADES.get(support, {}).get(mode, mode)
+    if resolved is not mode:
+        logger.warning(
+            "kvgraph: graph mode %r downgraded to %r: attention backend %r captures attention "
+            "only for %s batches", mode.value, resolved.value, backend,
+            "uniform-decode" if support is GraphSupport.UNIFORM_DECODE else "no",
+        )
+    return resolved
+
+
+@dataclass
+class DispatchStats:
+    """Counts of what the dispatcher chose, readable from the runner."""
+
+    hits: collections.Counter = field(default_factory=collections.Counter)
+    padded_tokens: int = 0
+    fallbacks: int = 0  # batches above the largest capture size, run without graphs
+
+
+class Dispatcher:
+    """Maps a batch to `(runtime_mode, BatchDescriptor)` for one resolved graph mode.
+
+    Full-graph keys for uniform decode carry `num_reqs` (attention metadata shapes depend on
+    it) and exist only up to `max_num_seqs`; piecewise keys carry only `num_tokens`.
+    """
+
+    def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], max_num_seqs: int):
+        self.graph_mode = graph_mode
+        self.capture_sizes = tuple(sorted(capture_sizes))
+        self.decode_sizes = tuple(s for s in self.capture_sizes if s <= max_num_seqs)
+        self.stats = DispatchStats()
+        self._warned_fallback = False
+
+    @property
+    def uses_full(self) -> bool:
+        return self.graph_mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY,
+                                   GraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def uses_piecewise(self) -> bool:
+        return self.graph_mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
+
+    @staticmethod
+    def _padded(sizes: tuple[int, ...], n: int) -> int | None:
+        i = bisect.bisect_left(sizes, n)
+        return sizes[i] if i < len(sizes) else None
+
+    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool
+                 ) -> tuple[GraphMode, BatchDescriptor]:
+        mode, descriptor = self._choose(num_tokens, num_reqs, uniform_decode)
+        self.stats.hits[(mode.value, descriptor)] += 1
+        self.stats.padded_tokens += descriptor.num_tokens - num_tokens
+        return mode, descriptor
+
+    def _choose(self, num_tokens: int, num_reqs: int, uniform_decode: bool
+                ) -> tuple[GraphMode, BatchDescriptor]:
+        if self.graph_mode in (GraphMode.EAGER, GraphMode.NONE):
+            return GraphMode.NONE, BatchDescriptor(num_tokens)
+        if self.uses_full and uniform_decode:
+            padded = self._padded(self.decode_sizes, num_tokens)
+            if padded is not None:
+                return GraphMode.FULL, BatchDescriptor(padded, padded, uniform_decode=True)
+        padded = self._padded(self.capture_sizes, num_tokens)
+        if padded is not None and self.graph_mode is GraphMode.FULL:
+            return GraphMode.FULL, BatchDescriptor(padded)
+        if padded is not None and self.uses_piecewise:
+            return GraphMode.PIECEWISE, BatchDescriptor(padded)
+        if padded is None:
+            self.stats.fallbacks += 1
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                logger.info("kvgraph: a batch of %d tokens is above the largest capture size "
+                            "%d and runs without graphs (counted in stats, logged once)",
+                            num_tokens, self.capture_sizes[-1])
+        return GraphMode.NONE, BatchDescriptor(num_tokens)
+
+    def descriptors_to_capture(self) -> list[tuple[GraphMode, BatchDescriptor]]:
+        """Every key the mode asks for, largest first (later, smaller graphs reuse its pool)."""
+        keys = []
+        if self.uses_full:
+            keys += [(GraphMode.FULL, BatchDescriptor(s, s, True)) for s in self.decode_sizes]
+        if self.graph_mode is GraphMode.FULL:
+            keys += [(GraphMode.FULL, BatchDescriptor(s)) for s in self.capture_sizes]
+        if self.uses_piecewise:
+            keys += [(GraphMode.PIECEWISE, BatchDescriptor(s)) for s in self.capture_sizes]
+        return sorted(keys, key=lambda key: key[1].num_tokens, reverse=True)

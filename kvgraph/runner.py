@@ -1,0 +1,133 @@
+"""ModelRunner: caches, persistent inputs, dispatch and capture around one model.
+
+    runner = kvgraph.ModelRunner(model, config, num_blocks=..., block_size=..., ...)
+    runner.capture()                   # every graph the config asks for, largest first
+    logits = runner.execute(chunks)    # [num_reqs, vocab]: each chunk's last-token logits
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from kvgraph.attention.backends import get_attention_backend
+from kvgraph.attention.metadata import RequestChunk
+from kvgraph.binding import bind_kv_cache
+from kvgraph.compile import compile_model
+from kvgraph.config import CompilationConfig, GraphMode
+from kvgraph.counters import compile_counters, graph_counters
+from kvgraph.dispatcher import Dispatcher, resolve_graph_mode
+from kvgraph.forward_context import BatchDescriptor, set_forward_context
+from kvgraph.graphs import gc_paused
+from kvgraph.input_buffers import InputBuffers, StepShape
+from kvgraph.kv_cache import allocate_kv_caches, attention_layers, kv_cache_specs
+from kvgraph.platforms import get_platform
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs one model step by step in the configured graph mode (eager included)."""
+
+    def __init__(self, model: nn.Module, config: CompilationConfig | None = None, *,
+                 num_blocks: int, block_size: int, max_num_tokens: int, max_num_seqs: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 max_model_len: int | None = None, attn_backend: str | None = None):
+        self.device = torch.device(device)
+        self.platform = get_platform(self.device)
+        self.attn_backend = attn_backend or self.platform.attention_backend
+        backend = get_attention_backend(self.attn_backend, self.device)
+        config = (config or CompilationConfig()).replace(max_num_tokens=max_num_tokens)
+        self.config = config.replace(
+            graph_mode=resolve_graph_mode(config.graph_mode, backend.graph_support, backend.name))
+        self.model = model
+        dtype = dtype or next(model.parameters()).dtype
+        specs = kv_cache_specs(model, block_size, dtype)
+        self.kv_caches = allocate_kv_caches(specs, num_blocks, self.device)
+        bind_kv_cache(attention_layers(model), self.kv_caches, device=self.device, dtype=dtype)
+        self.max_model_len = max_model_len or num_blocks * block_size
+        self.buffers = InputBuffers(max_num_tokens, max_num_seqs, self.max_model_len,
+                                    block_size, num_blocks, self.device)
+        self.dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list,
+                                     max_num_seqs)
+        eager = self.config.graph_mode is GraphMode.EAGER
+        self.forward = model if eager else compile_model(model, self.config)
+        self.hidden_states: torch.Tensor | None = None  # last step's padded output (debugging)
+
+    def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:
+        """Run one step; the logits of each chunk's last token, `[len(chunks), vocab]`.
+
+        The logits are a fresh tensor: the next step's replay does not overwrite them.
+        """
+        self.buffers.check(chunks)
+        num_tokens = sum(c.num_new_tokens for c in chunks)
+        uniform_decode = num_tokens == len(chunks)
+        mode, descriptor = self.dispatcher.dispatch(num_tokens, len(chunks), uniform_decode)
+        hidden = self._run(chunks, mode, descriptor, self._shape(chunks, mode, descriptor))
+        starts = self.buffers.query_start_loc[1:len(chunks) + 1]
+        return self.model.compute_logits(hidden[starts.long() - 1])
+
+    def _shape(self, chunks: Sequence[RequestChunk], mode: GraphMode,
+               descriptor: BatchDescriptor) -> StepShape:
+        if mode is not GraphMode.FULL:
+            return StepShape(descriptor.num_tokens, len(chunks),
+                             max(c.num_new_tokens for c in chunks), max(c.seq_len for c in chunks))
+        # A full graph freezes attention's shapes: pad them to what every replay can fit.
+        if descriptor.uniform_decode:
+            return StepShape(descriptor.num_tokens, descriptor.num_reqs, 1, self.max_model_len)
+        return StepShape(descriptor.num_tokens, self.buffers.max_num_seqs, descriptor.num_tokens,
+                         self.max_model_len)
+
+    def _run(self, chunks: Sequence[RequestChunk], mode: GraphMode, descriptor: BatchDescriptor,
+             shape: StepShape, write_cache: bool = True) -> torch.Tensor:
+        input_ids, positions, metadata = self.buffers.fill(chunks, shape)
+        if not write_cache:  # dummy batches must leave every cache slot as it was
+            metadata.slot_mapping.fill_(-1)
+        with torch.no_grad(), set_forward_context(metadata, descriptor, self.attn_backend, mode):
+            self.hidden_states = self.forward(input_ids, positions)
+        return self.hidden_states
+
+    def capture(self) -> dict[str, Any]:
+        """Capture every graph the mode asks for, largest first; returns a summary."""
+        from tqdm import tqdm
+
+        keys = [k for k in self.dispatcher.descriptors_to_capture() if k[1].num_tokens
+                <= self.buffers.max_num_tokens]
+        before = graph_counters.snapshot()
+        start = time.perf_counter()
+        with gc_paused():
+            for mode, descriptor in tqdm(keys, desc="kvgraph capture", disable=not keys,
+                                         leave=False):
+                self._capture_one(mode, descriptor)
+        summary = {
+            "graphs": graph_counters.captures - before["captures"],
+            "seconds": time.perf_counter() - start,
+            "bytes": graph_counters.graph_bytes - before["graph_bytes"],
+        }
+        logger.info("kvgraph: captured %d graphs in %.2f s, %d bytes", summary["graphs"],
+                    summary["seconds"], summary["bytes"])
+        return summary
+
+    def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
+        # A dummy batch of one-token requests shaped like the descriptor's real batches.
+        chunks = [RequestChunk([0], 0, [0])] * (descriptor.num_reqs or 1)
+        shape = self._shape(chunks, mode, descriptor)
+        if self.platform.needs_warmup:  # first runs initialise kernels that capture cannot
+            self._run(chunks, GraphMode.NONE, descriptor, shape, write_cache=False)
+        self._run(chunks, mode, descriptor, shape, write_cache=False)
+
+    def stats(self) -> dict[str, Any]:
+        """Dispatch counts of this runner, and process-wide compile and graph counters."""
+        dispatch = self.dispatcher.stats
+        return {
+            "graph_mode": self.config.graph_mode.value,
+            "hits": {f"{mode}:{d}": n for (mode, d), n in dispatch.hits.items()},
+            "padded_tokens": dispatch.padded_tokens,
+            "fallbacks": dispatch.fallbacks,
+            "graphs": graph_counters.snapshot(),
+            "compile": compile_counters.snapshot(),
+        }

@@ -57,6 +57,7 @@ class ModelRunner:
         eager = self.config.graph_mode is GraphMode.EAGER
         self.forward = model if eager else compile_model(model, self.config)
         self.hidden_states: torch.Tensor | None = None  # last step's padded output (debugging)
+        self._captured: set[tuple[GraphMode, BatchDescriptor]] = set()
 
     def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:
         """Run one step; the logits of each chunk's last token, `[len(chunks), vocab]`.
@@ -95,14 +96,15 @@ class ModelRunner:
         """Capture every graph the mode asks for, largest first; returns a summary."""
         from tqdm import tqdm
 
-        keys = [k for k in self.dispatcher.descriptors_to_capture() if k[1].num_tokens
-                <= self.buffers.max_num_tokens]
+        keys = [key for key in self.dispatcher.descriptors_to_capture()
+                if key not in self._captured and key[1].num_tokens <= self.buffers.max_num_tokens]
         before = graph_counters.snapshot()
         start = time.perf_counter()
         with gc_paused():
             for mode, descriptor in tqdm(keys, desc="kvgraph capture", disable=not keys,
                                          leave=False):
                 self._capture_one(mode, descriptor)
+                self._captured.add((mode, descriptor))
         summary = {
             "graphs": graph_counters.captures - before["captures"],
             "seconds": time.perf_counter() - start,

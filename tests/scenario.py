@@ -89,3 +89,55 @@ def run_schedule(forward: Callable, model: torch.nn.Module, schedule=SCHEDULE, s
         last = metadata.query_start_loc[1:].long() - 1
         step_logits.append(model.compute_logits(hidden[last]))
     return step_logits
+
+
+# Greedy generation through a runner: (request, new prompt tokens) chunks, then "decode" steps
+# where every listed request feeds back its last sampled token. Batch sizes 1..21 tokens land
+# on (1, 2, 4, 8, 16), between them, and above 16.
+GENERATION = [
+    [(0, 7), (1, 3)],
+    [(0, "decode"), (1, 5), (2, 13)],
+    [(0, "decode"), (1, "decode"), (2, "decode")],
+    [(0, "decode"), (1, "decode"), (2, "decode"), (3, 2)],
+    [(3, "decode")],
+    [(0, "decode"), (1, "decode"), (2, "decode"), (3, "decode")],
+    [(0, "decode"), (1, "decode"), (2, "decode"), (3, "decode"), (4, 17)],
+    [(4, "decode"), (0, "decode"), (1, "decode")],
+    [(0, "decode"), (1, "decode"), (2, "decode"), (3, "decode"), (4, "decode")],
+]
+MAX_NEW_TOKENS = 8
+
+
+def generate(runner, vocab_size: int, plan=GENERATION, seed: int = 0):
+    """Run `plan` through `runner.execute`; each step's logits and the sampled token ids."""
+    rng = random.Random(seed)
+    prompts = {}
+    for step in plan:
+        for req, n in step:
+            if n != "decode":
+                prompts[req] = prompts.get(req, 0) + n
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    requests = {
+        req: Request([rng.randrange(vocab_size) for _ in range(n)],
+                     [free.pop() for _ in range(-(-(n + MAX_NEW_TOKENS) // BLOCK_SIZE))])
+        for req, n in sorted(prompts.items())
+    }
+    sampled: dict[int, list[int]] = {req: [] for req in requests}
+    step_logits = []
+    for step in plan:
+        chunks = []
+        for req, n in step:
+            r = requests[req]
+            if n == "decode":
+                r.token_ids.append(sampled[req][-1])
+                n = 1
+            chunks.append(kvgraph.RequestChunk(
+                r.token_ids[r.num_computed:r.num_computed + n], r.num_computed, r.block_ids))
+            r.num_computed += n
+        logits = runner.execute(chunks)
+        step_logits.append(logits)
+        for (req, _), row in zip(step, logits):
+            if requests[req].num_computed == len(requests[req].token_ids):
+                sampled[req].append(int(row.argmax()))
+    return step_logits, sampled

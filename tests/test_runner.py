@@ -1,0 +1,174 @@
+"""ModelRunner in every graph mode: same tokens, logits and caches as eager; padding; capture."""
+
+import logging
+
+import pytest
+import torch
+
+import kvgraph
+from kvgraph import CompilationConfig, GraphMode
+from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16)
+MODES = ["eager", "none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    torch._dynamo.reset()
+    kvgraph.graph_counters.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def make_runner(kind, mode, device="cpu", piece_compiler="eager", **config):
+    model = make_model(kind).to(device)
+    config = CompilationConfig(graph_mode=mode, piece_compiler=piece_compiler,
+                               capture_sizes=CAPTURE_SIZES, check_graph_inputs=True, **config)
+    return kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                               max_num_tokens=32, max_num_seqs=8, device=device)
+
+
+def assert_matches_eager(kind, mode, device="cpu", **config):
+    eager = make_runner(kind, "eager", device)
+    expected_logits, expected_tokens = generate(eager, eager.model.config.vocab_size)
+    runner = make_runner(kind, mode, device, **config)
+    runner.capture()
+    logits, tokens = generate(runner, runner.model.config.vocab_size)
+    assert tokens == expected_tokens
+    for step, (got, want) in enumerate(zip(logits, expected_logits)):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=f"step {step}")
+    for name, cache in eager.kv_caches.items():
+        for got, want in zip(runner.kv_caches[name], cache):
+            torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
+    return runner
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_generates_what_eager_does(kind, mode):
+    runner = assert_matches_eager(kind, mode)
+    stats = runner.stats()
+    graph_modes = {key.split(":")[0] for key in stats["hits"]}
+    if mode in ("eager", "none"):
+        assert graph_modes == {"none"} and stats["graphs"]["captures"] == 0
+    else:
+        assert stats["graphs"]["replays"] > 0
+        assert stats["fallbacks"] == 2  # the 19- and 21-token steps are above the largest size
+        assert "full" in graph_modes or mode == "piecewise"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_generates_what_eager_does_on_cuda(kind, mode):
+    assert_matches_eager(kind, mode, device="cuda")
+
+
+@pytest.mark.slow
+def test_piecewise_and_full_graphs_with_inductor_pieces(compile_cache_dir):
+    for mode in ("piecewise", "full_and_piecewise"):
+        torch._dynamo.reset()
+        assert_matches_eager("llama", mode, piece_compiler="inductor", cache_dir=compile_cache_dir)
+
+
+def test_full_mode_is_downgraded_with_a_warning_naming_mode_backend_and_reason(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvgraph.dispatcher"):
+        runner = make_runner("llama", "full")
+    assert runner.config.graph_mode is GraphMode.FULL_AND_PIECEWISE
+    assert "'full' downgraded to 'full_and_piecewise'" in caplog.text
+    assert "'torch_native'" in caplog.text and "uniform-decode" in caplog.text
+
+
+class AlwaysCapturableBackend(kvgraph.attention.backends.TorchNativeBackend):
+    """Torch-native math declared capture-safe for every batch: the runner then pads mixed
+    batches to fixed shapes, which exercises the full-graph path for non-decode batches."""
+
+    name = "test_always"
+    graph_support = kvgraph.GraphSupport.ALWAYS
+
+
+def test_full_graphs_for_mixed_batches_with_a_backend_that_supports_them():
+    kvgraph.attention.backends.register_attention_backend(AlwaysCapturableBackend)
+    eager = make_runner("llama", "eager")
+    expected, expected_tokens = generate(eager, eager.model.config.vocab_size)
+    model = make_model("llama")
+    config = CompilationConfig(graph_mode="full", piece_compiler="eager",
+                               capture_sizes=CAPTURE_SIZES, check_graph_inputs=True)
+    runner = kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                 max_num_tokens=32, max_num_seqs=8, attn_backend="test_always")
+    assert runner.config.graph_mode is GraphMode.FULL
+    logits, tokens = generate(runner, model.config.vocab_size)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected, **TOLERANCE)
+    assert any(key.startswith("full:") and "uniform_decode=False" in key
+               for key in runner.stats()["hits"])
+
+
+def test_capture_happens_once_per_descriptor_and_the_stats_add_up():
+    runner = make_runner("llama", "full_and_piecewise")
+    first = runner.capture()
+    pieces = len(runner.model.model.layers) + 1
+    decode_sizes = [s for s in CAPTURE_SIZES if s <= 8]
+    assert first["graphs"] == pieces * len(CAPTURE_SIZES) + len(decode_sizes)
+    assert runner.capture()["graphs"] == 0
+    before = kvgraph.graph_counters.captures
+    generate(runner, runner.model.config.vocab_size)
+    assert kvgraph.graph_counters.captures == before, "execute captured a graph capture() had"
+    stats = runner.stats()
+    full_steps = sum(n for key, n in stats["hits"].items() if key.startswith("full:"))
+    piecewise_steps = sum(n for key, n in stats["hits"].items() if key.startswith("piecewise:"))
+    assert stats["graphs"]["replays"] == full_steps + piecewise_steps * pieces
+    assert stats["graphs"]["captures"] == first["graphs"]
+
+
+def test_padding_writes_nothing_and_padded_requests_are_never_nan():
+    runner = make_runner("llama", "full_and_piecewise")
+    runner.capture()
+    # Poison every cache slot that no request owns: stale NaNs, as a freed block would hold.
+    for cache in runner.kv_caches.values():
+        for tensor in cache:
+            tensor.fill_(float("nan"))
+    blocks = [[5, 9], [17, 3], [40, 41]]
+    chunks = [kvgraph.RequestChunk([1, 2, 3], 0, b) for b in blocks]  # 9 tokens -> padded to 16
+    runner.execute(chunks)
+    decode = [kvgraph.RequestChunk([4], 3, b) for b in blocks]  # 3 requests -> padded to 4
+    logits = runner.execute(decode)
+    assert torch.isfinite(logits).all()
+    assert torch.isfinite(runner.hidden_states).all(), "a padded token or request produced NaN"
+    assert runner.hidden_states.shape[0] == 4
+    owned = {(b[pos // BLOCK_SIZE], pos % BLOCK_SIZE) for b in blocks for pos in range(4)}
+    for cache in runner.kv_caches.values():
+        for tensor in cache:
+            written = {(blk, slot) for blk in range(NUM_BLOCKS) for slot in range(BLOCK_SIZE)
+                       if not torch.isnan(tensor[blk, slot]).any()}
+            assert written == owned, "padding wrote into the cache"
+
+
+def test_returned_logits_survive_the_next_replay():
+    runner = make_runner("llama", "full_and_piecewise")
+    runner.capture()
+    blocks = [[1], [2]]
+    first = runner.execute([kvgraph.RequestChunk([5], 0, b) for b in blocks])
+    kept = first.clone()
+    runner.execute([kvgraph.RequestChunk([7], 0, b) for b in blocks[::-1]])
+    assert torch.equal(first, kept)
+
+
+def test_batches_the_buffers_cannot_hold_are_rejected():
+    runner = make_runner("llama", "piecewise")
+    with pytest.raises(kvgraph.BatchError, match="33 tokens, more than max_num_tokens=32"):
+        runner.execute([kvgraph.RequestChunk([1] * 33, 0, list(range(9)))])
+    with pytest.raises(kvgraph.BatchError, match="9 requests, more than max_num_seqs=8"):
+        runner.execute([kvgraph.RequestChunk([1], 0, [i]) for i in range(9)])
+    with pytest.raises(kvgraph.BatchError, match=f"more than num_blocks={NUM_BLOCKS}"):
+        runner.execute([kvgraph.RequestChunk([1], 0, [NUM_BLOCKS])])
+
+
+def test_graph_inputs_that_move_are_caught_in_debug_mode():
+    runner = make_runner("llama", "piecewise")
+    runner.capture()
+    runner.buffers.input_ids = runner.buffers.input_ids.clone()  # a reallocated buffer
+    with pytest.raises(kvgraph.errors.GraphError, match="not at the addresses"):
+        runner.execute([kvgraph.RequestChunk([1, 2], 0, [0])])

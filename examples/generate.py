@@ -2,9 +2,10 @@
 
     python examples/generate.py [--model llama|deepseek_mla] [--preset small|tiny] ...
 
-Every prompt is prefilled in one batch, then all requests decode together, one token per step.
-The model runs eagerly, its attention reading and writing the paged cache; weights are random,
-so the tokens are noise, but the path is the one a served model takes.
+Every prompt is prefilled in one batch, then all requests decode together, one token per step,
+through `kvgraph.ModelRunner` in the graph mode of `--graph-mode` (default piecewise; `eager`
+runs the model as written). Weights are random, so the tokens are noise, but the path is the
+one a served model takes: compile, capture, then replay per batch descriptor.
 """
 
 from __future__ import annotations
@@ -77,27 +78,16 @@ def make_requests(num_prompts: int, vocab_size: int, seed: int) -> list[Request]
     ]
 
 
-def make_step(model: torch.nn.Module, num_blocks: int, args: argparse.Namespace) -> Step:
-    """How one step runs: here the model, called eagerly on caches allocated and bound here.
-
-    A graph mode plugs in at this one place: anything with the same signature (chunks in,
-    last-token logits out) that owns the caches, such as a compiled runner's `execute`.
-    """
-    dtype = next(model.parameters()).dtype
-    specs = kvgraph.kv_cache_specs(model, args.block_size, dtype)
-    caches = kvgraph.allocate_kv_caches(specs, num_blocks, args.device)
-    kvgraph.bind_kv_cache(kvgraph.attention_layers(model), caches)
-
-    @torch.inference_mode()
-    def eager_step(chunks: Sequence[kvgraph.RequestChunk]) -> torch.Tensor:
-        metadata = kvgraph.build_attention_metadata(chunks, args.block_size, args.device)
-        input_ids, positions = kvgraph.build_model_inputs(chunks, args.device)
-        with kvgraph.set_forward_context(metadata):
-            hidden = model(input_ids, positions)
-        last_tokens = metadata.query_start_loc[1:].long() - 1
-        return model.compute_logits(hidden[last_tokens])
-
-    return eager_step
+def make_runner(model: torch.nn.Module, requests: list[Request], num_blocks: int,
+                args: argparse.Namespace) -> kvgraph.ModelRunner:
+    """A runner sized for this demo's batches, in the graph mode the flags ask for."""
+    config = kvgraph.CompilationConfig.from_cli_args(args)
+    max_num_tokens = args.max_num_tokens or max(8, sum(r.prompt_len for r in requests))
+    return kvgraph.ModelRunner(
+        model, config.replace(max_num_tokens=max_num_tokens), num_blocks=num_blocks,
+        block_size=args.block_size, max_num_tokens=max_num_tokens,
+        max_num_seqs=len(requests), device=args.device,
+    )
 
 
 def generate(step: Step, requests: list[Request], free_blocks: list[int], block_size: int,
@@ -133,6 +123,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
+    kvgraph.add_cli_args(parser)
     return parser.parse_args(argv)
 
 
@@ -144,10 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks_for(r.prompt_len + args.max_new_tokens, args.block_size) for r in requests
     )
     free_blocks = list(range(num_blocks))
-    step = make_step(model, num_blocks, args)
+    runner = make_runner(model, requests, num_blocks, args)
+    start = time.perf_counter()
+    summary = runner.capture()  # the first capture also compiles
+    print(f"graph mode {runner.config.graph_mode.value}: compiled and captured "
+          f"{summary['graphs']} graphs in {time.perf_counter() - start:.1f} s")
 
     start = time.perf_counter()
-    num_steps = generate(step, requests, free_blocks, args.block_size, args.max_new_tokens)
+    num_steps = generate(runner.execute, requests, free_blocks, args.block_size,
+                         args.max_new_tokens)
     elapsed = time.perf_counter() - start
 
     for i, request in enumerate(requests):
@@ -158,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.model}/{args.preset} on {args.device}: {num_steps} steps, {prompt_tokens} prompt "
         f"tokens, {generated} generated in {elapsed:.2f} s ({generated / elapsed:.1f} tokens/s)"
     )
+    stats = runner.stats()
+    print(f"steps by graph: {stats['hits']}; graph replays {stats['graphs']['replays']}")
     return 0
 
 

@@ -1,0 +1,66 @@
+"""Platforms: the CPU graph keeps the device-graph contract; NPU support loads only on request."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kvgraph
+from kvgraph.errors import GraphError, PlatformError
+from kvgraph.platforms import get_platform
+
+
+def test_cpu_graph_replays_into_the_buffers_it_captured():
+    graph = get_platform("cpu").make_graph(check_inputs=True)
+    x = torch.tensor([1.0, 2.0])
+    captured = graph.capture(lambda t: (t * 2, t + 1), (x,), pool=None)
+    first = [o.clone() for o in captured]
+    x.copy_(torch.tensor([5.0, 7.0]))  # new step: inputs filled in place
+    replayed = graph.replay((x,))
+    assert all(a is b for a, b in zip(replayed, captured)), "replay must reuse output buffers"
+    torch.testing.assert_close(replayed[0], torch.tensor([10.0, 14.0]))
+    torch.testing.assert_close(replayed[1], torch.tensor([6.0, 8.0]))
+    assert not torch.equal(captured[0], first[0]), "the previous step's output was overwritten"
+
+
+def test_cpu_graph_refuses_inputs_that_moved_when_checking():
+    graph = get_platform("cpu").make_graph(check_inputs=True)
+    x = torch.ones(3)
+    graph.capture(lambda t: t * 2, (x,), pool=None)
+    with pytest.raises(GraphError, match=r"inputs \[0\] are not at the addresses"):
+        graph.replay((torch.ones(3),))
+    unchecked = get_platform("cpu").make_graph(check_inputs=False)
+    unchecked.capture(lambda t: t * 2, (x,), pool=None)
+    torch.testing.assert_close(unchecked.replay((torch.full((3,), 4.0),)), torch.full((3,), 8.0))
+
+
+def test_unknown_device_and_missing_torch_npu_are_clear_errors():
+    with pytest.raises(PlatformError, match="no kvgraph platform for device 'tpu'"):
+        get_platform("tpu")
+    if "torch_npu" in sys.modules:
+        pytest.skip("torch_npu is installed here")
+    with pytest.raises(PlatformError, match="needs torch_npu with the Ascend toolkit"):
+        get_platform("npu:0")
+
+
+def test_importing_kvgraph_does_not_import_torch_npu():
+    code = "import sys, kvgraph; print('torch_npu' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_into_the_buffers_it_captured():
+    platform = get_platform("cuda")
+    graph = platform.make_graph(check_inputs=True)
+    x = torch.ones(4, device="cuda")
+    for _ in range(2):  # warm up outside capture, as the runner does
+        x * 2
+    torch.cuda.synchronize()
+    captured = graph.capture(lambda t: t * 2, (x,), platform.graph_pool())
+    x.fill_(3.0)
+    assert graph.replay((x,)) is captured
+    torch.testing.assert_close(captured, torch.full((4,), 6.0, device="cuda"))

@@ -357,9 +357,17 @@ def test_random_weights_are_seeded(model_class):
     assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
 
 
-def test_generate_demo_runs(capsys):
-    args = ["--preset", "tiny", "--num-prompts", "3", "--max-new-tokens", "4", "--block-size", "4"]
+def test_generate_demo_runs_and_graph_mode_generates_what_eager_does(capsys):
+    args = ["--preset", "tiny", "--num-prompts", "3", "--max-new-tokens", "4", "--block-size", "4",
+            "--piece-compiler", "eager"]
     for model in ("llama", "deepseek_mla"):
-        assert generate.main([*args, "--model", model]) == 0
-        lines = capsys.readouterr().out.splitlines()
-        assert len(lines) == 4 and "4 steps" in lines[-1] and "12 generated" in lines[-1]
+        outputs = {}
+        for mode in ("eager", "full_and_piecewise"):
+            assert generate.main([*args, "--model", model, "--graph-mode", mode]) == 0
+            lines = capsys.readouterr().out.splitlines()
+            assert lines[0].startswith(f"graph mode {mode}")
+            summary = next(line for line in lines if " steps, " in line)
+            assert "4 steps" in summary and "12 generated" in summary
+            outputs[mode] = [line for line in lines if line.startswith("request ")]
+        assert len(outputs["eager"]) == 3
+        assert outputs["eager"] == outputs["full_and_piecewise"]

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -17,13 +18,14 @@ from torch import fx
 from kvgraph.cache import CompileCache, digest, graph_fingerprint, source_files_digest
 from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.counters import compile_counters
+from kvgraph.debug import DebugDump
 from kvgraph.graphs import GraphWrapper
 from kvgraph.ops import ATTENTION_OPS
 from kvgraph.piece_compiler import make_piece_compiler
 from kvgraph.piecewise import PiecewiseBackend, build_piece, token_symbols
 from kvgraph.platforms import Platform, get_platform
 from kvgraph.version import __version__
-from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_ops
+from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_attention
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +78,23 @@ class KVGraphBackend:
             )
         cache = self._compile_cache(gm)
         platform = get_platform(_device_of(values))
+        dump = DebugDump(self.config.debug_dump_path) if self.config.debug_dump_path else None
+        if dump:
+            dump.json("config", dataclasses.asdict(self.config))
+            dump.graph("dynamo", gm)
         with cache.inductor_dir() if cache else contextlib.nullcontext():
-            self.pass_manager(gm)
-            compiled = self._compile(gm, values, cache, platform)
+            self.pass_manager(gm, dump and (lambda name, g: dump.graph(f"pass-{name}", g)))
+            compiled = self._compile(gm, values, cache, platform, dump)
         compile_counters.compile_seconds += time.perf_counter() - start
+        if dump:
+            dump.json("counters", compile_counters.snapshot())
         if self.config.graph_mode in _FULL_GRAPH_MODES:
             compiled = GraphWrapper(compiled, platform, GraphMode.FULL, "full",
                                     self.config.check_graph_inputs)
         return compiled
 
     def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None,
-                 platform: Platform) -> Callable:
+                 platform: Platform, dump: DebugDump | None) -> Callable:
         config = self.config
         if config.graph_mode in _WHOLE_GRAPH_MODES or not config.splitting_ops:
             patches = dict(config.inductor_options)
@@ -96,15 +104,19 @@ class KVGraphBackend:
             compile_counters.pieces += 1
             return build_piece(gm, values, config.compile_sizes, compiler,
                                graph_fingerprint(gm))
-        return self._compile_pieces(gm, cache, platform)
+        return self._compile_pieces(gm, cache, platform, dump)
 
     def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None,
-                        platform: Platform) -> fx.GraphModule:
+                        platform: Platform, dump: DebugDump | None) -> fx.GraphModule:
         config = self.config
         compiler = make_piece_compiler(config.piece_compiler, cache, config.inductor_options)
-        split = split_at_ops(gm, config.splitting_ops)
+        split = split_at_attention(gm, config.splitting_ops)
+        if dump:
+            dump.graph("split", split.split_module)
         built: dict[str, PiecewiseBackend] = {}
         for piece in split.pieces:
+            if dump:
+                dump.graph(f"piece-{piece.name}", piece.graph_module)
             if piece.is_splitting_op:
                 continue
             compile_counters.pieces += 1
@@ -139,7 +151,10 @@ class KVGraphBackend:
 
 def kvgraph_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
                     options: Mapping[str, Any] | None = None) -> Callable:
-    """The entry point torch.compile calls for `backend="kvgraph"`."""
-    overrides = {"mode": mode} if mode else {}
-    config = CompilationConfig.from_options(options, **overrides)
+    """The entry point torch.compile calls for `backend="kvgraph"`.
+
+    `KVGRAPH_*` environment variables give the defaults; `options` and `mode` override them.
+    """
+    overrides = {**(options or {}), **({"mode": mode} if mode else {})}
+    config = CompilationConfig.from_env(**overrides)
     return KVGraphBackend(config)(gm, example_inputs)

@@ -4,7 +4,7 @@ from passes.attention_inplace import InplaceAttentionPass, inplace_attention
 from passes.noop_elimination import noop_elimination
 from passes.op_match import is_op_call, op_name
 from passes.pass_manager import GraphPass, PassManager
-from passes.split import Piece, SplitGraph, split_at_ops
+from passes.split import Piece, SplitGraph, split_at_attention
 
 # Passes a config can enable by name, in the order they run.
 REGISTERED_PASSES = {"noop_elimination": GraphPass("noop_elimination", noop_elimination)}
@@ -20,5 +20,5 @@ __all__ = [
     "is_op_call",
     "noop_elimination",
     "op_name",
-    "split_at_ops",
+    "split_at_attention",
 ]

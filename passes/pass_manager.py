@@ -29,17 +29,16 @@ class GraphPass:
 class PassManager:
     """Runs passes in order; `observer(name, gm)` sees the graph after each (for debug dumps)."""
 
-    def __init__(self, passes: Sequence[GraphPass], observer: PassObserver | None = None):
+    def __init__(self, passes: Sequence[GraphPass]):
         self.passes = tuple(passes)
-        self.observer = observer
 
-    def __call__(self, gm: fx.GraphModule) -> fx.GraphModule:
+    def __call__(self, gm: fx.GraphModule, observer: PassObserver | None = None) -> fx.GraphModule:
         for graph_pass in self.passes:
             graph_pass.fn(gm)
             gm.graph.lint()
             gm.recompile()
-            if self.observer is not None:
-                self.observer(graph_pass.name, gm)
+            if observer is not None:
+                observer(graph_pass.name, gm)
         return gm
 
     def uuid(self) -> str:

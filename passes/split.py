@@ -26,7 +26,7 @@ class SplitGraph:
     pieces: tuple[Piece, ...]
 
 
-def split_at_ops(gm: fx.GraphModule, op_names: Collection[str]) -> SplitGraph:
+def split_at_attention(gm: fx.GraphModule, op_names: Collection[str]) -> SplitGraph:
     """Split `gm` so every call of an op in `op_names` is a piece of its own."""
     partition_of: dict[fx.Node, int] = {}
     partition = 0

@@ -302,7 +302,7 @@ def test_fingerprint_identical_layers_match():
         [kvgraph.RequestChunk([1, 2, 3, 4, 5], 0, [0, 1])], 4)
     with kvgraph.set_forward_context(metadata):
         gm = dynamo_graph(Stack(4), torch.randn(5, 8), caches, unbacked=(0,))
-    split = passes.split_at_ops(gm, ["kvgraph::unified_attention"])
+    split = passes.split_at_attention(gm, ["kvgraph::unified_attention"])
     compute = [p.graph_module for p in split.pieces if not p.is_splitting_op]
     assert len(compute) == 5  # first, 3 x (end of layer i + start of layer i+1), last
     middle = compute[1:4]

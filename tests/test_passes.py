@@ -241,7 +241,7 @@ def test_is_op_call():
     assert not passes.is_op_call(packet, [])
 
 
-# --- split_at_ops ------------------------------------------------------------------------------
+# --- split_at_attention ------------------------------------------------------------------------------
 
 
 def two_layers(q, k, v, kc1, vc1, kc2, vc2):
@@ -323,7 +323,7 @@ def test_split_at_attention(fn, kinds):
     ops = [n for n in captured.gm.graph.nodes if passes.is_op_call(n, [ATTN])]
     assert [n.target for n in ops] == [torch.ops.kvgraph.unified_attention] * 2  # the packet
 
-    split = passes.split_at_ops(captured.gm, [ATTN])
+    split = passes.split_at_attention(captured.gm, [ATTN])
     check_pieces(split, kinds, ["kc1", "kc2"])
     run_split_and_compare(fn, captured, split, metadata, inputs)
 
@@ -339,7 +339,7 @@ def test_split_at_default_overload_target():
     captured.gm.recompile()
     assert len(call_nodes(captured.gm, torch.ops.kvgraph.unified_attention.default)) == 2
 
-    split = passes.split_at_ops(captured.gm, [ATTN])
+    split = passes.split_at_attention(captured.gm, [ATTN])
     check_pieces(split, [False, True, False, True, False], ["kc1", "kc2"])
     run_split_and_compare(two_layers, captured, split, metadata, inputs)
 
@@ -349,7 +349,7 @@ def test_split_with_unmatched_names_is_one_piece():
     metadata, inputs = split_inputs(generator)
     with kvgraph.set_forward_context(metadata):
         captured = dynamo_capture(two_layers, inputs)
-    split = passes.split_at_ops(captured.gm, ["kvgraph::unified_mla_attention"])
+    split = passes.split_at_attention(captured.gm, ["kvgraph::unified_mla_attention"])
     assert [p.is_splitting_op for p in split.pieces] == [False]
     run_split_and_compare(two_layers, captured, split, metadata, inputs)
 
@@ -368,7 +368,7 @@ def test_split_symbolic_trace_graph_with_attribute():
 
     model = Model()
     gm = fx.symbolic_trace(model)
-    split = passes.split_at_ops(gm, [ATTN])
+    split = passes.split_at_attention(gm, [ATTN])
     assert [p.is_splitting_op for p in split.pieces] == [False, True, False]
     generator = torch.Generator().manual_seed(3)
     metadata, inputs = split_inputs(generator)
@@ -413,13 +413,13 @@ def test_pass_manager_runs_in_order_with_observer():
     x, y = torch.tensor([5.0]), torch.tensor([3.0])
 
     gm = fx.symbolic_trace(AddModule())
-    assert passes.PassManager([a, b], observer)(gm) is gm
+    assert passes.PassManager([a, b])(gm, observer) is gm
     assert seen == [("add_to_mul", [operator.mul]), ("mul_to_sub", [operator.sub])]
     assert gm(x, y).item() == 2.0  # recompiled: (x + y) -> (x * y) -> (x - y)
 
     seen.clear()
     gm = fx.symbolic_trace(AddModule())
-    passes.PassManager([b, a], observer)(gm)
+    passes.PassManager([b, a])(gm, observer)
     assert seen == [("mul_to_sub", [operator.add]), ("add_to_mul", [operator.mul])]
     assert gm(x, y).item() == 15.0
 

@@ -24,3 +24,15 @@ def inductor_config(compile_cache_dir):
     from kvgraph import CompilationConfig
 
     return CompilationConfig(piece_compiler="inductor", compile_sizes=(4,), cache_dir=compile_cache_dir)
+
+
+@pytest.fixture
+def fresh_compile_state():
+    """Dynamo's caches and kvgraph's counters cleared before and after the test."""
+    import kvgraph
+
+    torch._dynamo.reset()
+    kvgraph.compile_counters.reset()
+    kvgraph.graph_counters.reset()
+    yield
+    torch._dynamo.reset()

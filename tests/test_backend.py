@@ -15,12 +15,7 @@ EAGER_PIECES = CompilationConfig(piece_compiler="eager", compile_sizes=(1, 4))
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    kvgraph.compile_counters.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 class CapturingBackend(kvgraph.KVGraphBackend):

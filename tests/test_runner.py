@@ -14,12 +14,7 @@ MODES = ["eager", "none", "piecewise", "full", "full_decode_only", "full_and_pie
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def fresh_state():
-    torch._dynamo.reset()
-    kvgraph.graph_counters.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 def make_runner(kind, mode, device="cpu", piece_compiler="eager", **config):

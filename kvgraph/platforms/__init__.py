@@ -16,14 +16,14 @@ def get_platform(device: torch.device | str) -> Platform:
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     if device_type not in _platforms:
         if device_type == "cpu":
-            from kvgraph.platforms.cpu import CPUPlatform as platform_class
+            from kvgraph.platforms.cpu import CPUPlatform as make_platform
         elif device_type == "cuda":
-            from kvgraph.platforms.cuda import CUDAPlatform as platform_class
+            from kvgraph.platforms.cuda import cuda_platform as make_platform
         elif device_type == "npu":
-            from kvgraph.platforms.npu import NPUPlatform as platform_class
+            from kvgraph.platforms.npu import npu_platform as make_platform
         else:
             raise PlatformError(f"no kvgraph platform for device {device!r}; have cpu, cuda, npu")
-        _platforms[device_type] = platform_class()
+        _platforms[device_type] = make_platform()
     return _platforms[device_type]
 
 

@@ -33,6 +33,36 @@ def check_addresses(captured: list[int | None], args: Sequence[Any], name: str) 
         )
 
 
+class StreamGraph:
+    """A device graph of a torch graph API (CUDA, NPU): outputs are what capture produced.
+
+    `graph` is the API's graph object, `graph_context(graph, pool=...)` its capture context and
+    `memory_reserved()` its allocator's reserved bytes (the pool growth is what a graph costs).
+    """
+
+    def __init__(self, graph: Any, graph_context: Callable, memory_reserved: Callable[[], int],
+                 check_inputs: bool, name: str):
+        self.graph, self.graph_context, self.memory_reserved = graph, graph_context, memory_reserved
+        self.check_inputs, self.name = check_inputs, name
+        self.outputs: Any = None
+        self.addresses: list[int | None] = []
+        self.memory_bytes = 0
+
+    def capture(self, fn: Callable, args: Sequence[Any], pool: Any) -> Any:
+        self.addresses = input_addresses(args)
+        before = self.memory_reserved()
+        with self.graph_context(self.graph, pool=pool):
+            self.outputs = fn(*args)
+        self.memory_bytes = self.memory_reserved() - before
+        return self.outputs
+
+    def replay(self, args: Sequence[Any]) -> Any:
+        if self.check_inputs:
+            check_addresses(self.addresses, args, self.name)
+        self.graph.replay()
+        return self.outputs
+
+
 class DeviceGraph(Protocol):
     """One captured graph: `capture` records `fn(*args)`, `replay` reruns it on the same buffers.
 
@@ -59,3 +89,35 @@ class Platform(Protocol):
     def synchronize(self) -> None: ...
 
     def memory_in_use(self) -> int: ...
+
+
+class StreamPlatform:
+    """A platform over a torch device module with the CUDA graph API (`torch.cuda`, `torch.npu`).
+
+    `module` provides `graph`, `graph_pool_handle`, `synchronize`, `memory_allocated` and
+    `memory_reserved`; `graph_class` is its graph type (`CUDAGraph`, `NPUGraph`).
+    """
+
+    needs_warmup = True  # first runs initialise kernels and handles that capture cannot
+    attention_backend = "torch_native"
+
+    def __init__(self, name: str, module: Any, graph_class: Callable[[], Any]):
+        self.name = self.device_type = name
+        self.module, self.graph_class = module, graph_class
+        self._pool: Any = None
+
+    def make_graph(self, check_inputs: bool) -> StreamGraph:
+        return StreamGraph(self.graph_class(), self.module.graph, self.module.memory_reserved,
+                           check_inputs, f"{self.name}-graph")
+
+    def graph_pool(self) -> Any:
+        # One pool for every graph: graphs replay one at a time, so they can share memory.
+        if self._pool is None:
+            self._pool = self.module.graph_pool_handle()
+        return self._pool
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
+
+    def memory_in_use(self) -> int:
+        return self.module.memory_allocated()

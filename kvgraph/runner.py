@@ -31,7 +31,15 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Runs one model step by step in the configured graph mode (eager included)."""
+    """Runs one model step by step in the configured graph mode (eager included).
+
+    It allocates and binds the model's KV caches (`num_blocks` blocks of `block_size` tokens,
+    in `dtype`, default the model's), keeps persistent inputs for up to `max_num_tokens` tokens
+    and `max_num_seqs` requests, compiles the model unless the mode is `eager`, and captures
+    graphs keyed by `BatchDescriptor`. `max_model_len` (default: every block, `num_blocks *
+    block_size`) bounds one sequence; a full decode graph of the portable attention backend
+    reads that many key rows per request, so set it to the longest sequence served.
+    """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None, *,
                  num_blocks: int, block_size: int, max_num_tokens: int, max_num_seqs: int,

@@ -197,3 +197,16 @@ def test_kvgraph_environment_variables_configure_the_backend(monkeypatch, tmp_pa
     compiled = torch.compile(lambda x: torch.cos(x) + 1, backend="kvgraph")
     torch.testing.assert_close(compiled(torch.ones(3)), torch.cos(torch.ones(3)) + 1)
     assert (tmp_path / "index.md").exists()
+
+
+@pytest.mark.parametrize("check_guards, traces", [(False, 1), (True, 2)])
+def test_guards_are_skipped_unless_asked_for(check_guards, traces):
+    """Without guards a cache of another shape is not noticed (the runner never rebinds to
+    one); with `check_guards` Dynamo re-checks every call and traces again."""
+    model = make_model("llama")
+    bind_fresh_caches(model)
+    compiled = kvgraph.compile_model(model, EAGER_PIECES.replace(check_guards=check_guards))
+    run_schedule(compiled, model, [[(0, 3)]])
+    bind_fresh_caches(model, num_blocks=128)
+    run_schedule(compiled, model, [[(0, 3)]])
+    assert kvgraph.compile_counters.dynamo_graphs == traces

@@ -35,6 +35,7 @@ from kvgraph.kv_cache import (
 
 
 __all__ = [
+    "__version__",
     "CompilationConfig",
     "CompileCounters",
     "Dispatcher",

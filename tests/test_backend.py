@@ -91,6 +91,8 @@ def test_kv_caches_are_graph_inputs_that_reach_the_op_directly():
         assert all(arg in placeholders for arg in cache_args), "a cache is not a graph input"
         sources = [placeholders[arg] for arg in cache_args]
         assert [s.endswith(f"attn_kv_cache_{i}_") for i, s in enumerate(sources)] == [True, True]
+        layer = kvgraph.binding.layer_index(name)
+        assert all(f"layers_modules_{layer}_" in s for s in sources), (name, sources)
         assert all(arg.meta["example_value"].shape == t.shape for arg, t in zip(cache_args, cache))
     assert not [n for n in gm.graph.nodes if n.op == "get_attr"], "constants baked into the graph"
 

@@ -6,7 +6,6 @@ import sys
 import pytest
 import torch
 
-import kvgraph
 from kvgraph.errors import GraphError, PlatformError
 from kvgraph.platforms import get_platform
 

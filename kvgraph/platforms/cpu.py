@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import torch
 
 from kvgraph.platforms.base import check_addresses, input_addresses, tensors_in
 

@@ -311,15 +311,20 @@ def run_split_and_compare(fn, captured: Captured, split: passes.SplitGraph, meta
     assert not torch.equal(state["vc2"], inputs["vc2"])
 
 
+def capture_attention_fn(fn, seed):
+    """The Dynamo graph of `fn` on seeded attention inputs, with its metadata and inputs."""
+    metadata, inputs = split_inputs(torch.Generator().manual_seed(seed))
+    with kvgraph.set_forward_context(metadata):
+        captured = dynamo_capture(fn, inputs)
+    return captured, metadata, inputs
+
+
 @pytest.mark.parametrize("fn, kinds", [
     (two_layers, [False, True, False, True, False]),
     (back_to_back, [False, True, True, False]),
 ])
 def test_split_at_attention(fn, kinds):
-    generator = torch.Generator().manual_seed(0)
-    metadata, inputs = split_inputs(generator)
-    with kvgraph.set_forward_context(metadata):
-        captured = dynamo_capture(fn, inputs)
+    captured, metadata, inputs = capture_attention_fn(fn, seed=0)
     ops = [n for n in captured.gm.graph.nodes if passes.is_op_call(n, [ATTN])]
     assert [n.target for n in ops] == [torch.ops.kvgraph.unified_attention] * 2  # the packet
 
@@ -329,10 +334,7 @@ def test_split_at_attention(fn, kinds):
 
 
 def test_split_at_default_overload_target():
-    generator = torch.Generator().manual_seed(1)
-    metadata, inputs = split_inputs(generator)
-    with kvgraph.set_forward_context(metadata):
-        captured = dynamo_capture(two_layers, inputs)
+    captured, metadata, inputs = capture_attention_fn(two_layers, seed=1)
     for node in captured.gm.graph.nodes:
         if node.target is torch.ops.kvgraph.unified_attention:
             node.target = torch.ops.kvgraph.unified_attention.default
@@ -345,10 +347,7 @@ def test_split_at_default_overload_target():
 
 
 def test_split_with_unmatched_names_is_one_piece():
-    generator = torch.Generator().manual_seed(2)
-    metadata, inputs = split_inputs(generator)
-    with kvgraph.set_forward_context(metadata):
-        captured = dynamo_capture(two_layers, inputs)
+    captured, metadata, inputs = capture_attention_fn(two_layers, seed=2)
     split = passes.split_at_attention(captured.gm, ["kvgraph::unified_mla_attention"])
     assert [p.is_splitting_op for p in split.pieces] == [False]
     run_split_and_compare(two_layers, captured, split, metadata, inputs)

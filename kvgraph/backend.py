@@ -23,17 +23,10 @@ from kvgraph.graphs import GraphWrapper
 from kvgraph.ops import ATTENTION_OPS
 from kvgraph.piece_compiler import make_piece_compiler
 from kvgraph.piecewise import PiecewiseBackend, build_piece, token_symbols
-from kvgraph.platforms import Platform, get_platform
 from kvgraph.version import __version__
 from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_attention
 
 logger = logging.getLogger(__name__)
-
-# Modes whose graphs hold attention inside: the whole graph is one build, attention included.
-_WHOLE_GRAPH_MODES = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
-_FULL_GRAPH_MODES = (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
-_PIECEWISE_GRAPH_MODES = (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
-
 
 def _example_values(gm: fx.GraphModule) -> list[Any]:
     return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
@@ -77,26 +70,25 @@ class KVGraphBackend:
                 "or kvgraph.ModelRunner, which do."
             )
         cache = self._compile_cache(gm)
-        platform = get_platform(_device_of(values))
         dump = DebugDump(self.config.debug_dump_path) if self.config.debug_dump_path else None
         if dump:
             dump.json("config", dataclasses.asdict(self.config))
             dump.graph("dynamo", gm)
         with cache.inductor_dir() if cache else contextlib.nullcontext():
             self.pass_manager(gm, dump and (lambda name, g: dump.graph(f"pass-{name}", g)))
-            compiled = self._compile(gm, values, cache, platform, dump)
+            compiled = self._compile(gm, values, cache, dump)
         compile_counters.compile_seconds += time.perf_counter() - start
         if dump:
             dump.json("counters", compile_counters.snapshot())
-        if self.config.graph_mode in _FULL_GRAPH_MODES:
-            compiled = GraphWrapper(compiled, platform, GraphMode.FULL, "full",
-                                    self.config.check_graph_inputs)
+        if self.config.graph_mode.has_full_graphs:
+            compiled = GraphWrapper(compiled, GraphMode.FULL, "full")
         return compiled
 
     def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None,
-                 platform: Platform, dump: DebugDump | None) -> Callable:
+                 dump: DebugDump | None) -> Callable:
         config = self.config
-        if config.graph_mode in _WHOLE_GRAPH_MODES or not config.splitting_ops:
+        # Modes whose only graphs are full ones build the whole graph, attention included.
+        if config.graph_mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY) or not config.splitting_ops:
             patches = dict(config.inductor_options)
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)
@@ -104,10 +96,10 @@ class KVGraphBackend:
             compile_counters.pieces += 1
             return build_piece(gm, values, config.compile_sizes, compiler,
                                graph_fingerprint(gm))
-        return self._compile_pieces(gm, cache, platform, dump)
+        return self._compile_pieces(gm, cache, dump)
 
     def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None,
-                        platform: Platform, dump: DebugDump | None) -> fx.GraphModule:
+                        dump: DebugDump | None) -> fx.GraphModule:
         config = self.config
         compiler = make_piece_compiler(config.piece_compiler, cache, config.inductor_options)
         split = split_at_attention(gm, config.splitting_ops)
@@ -127,10 +119,9 @@ class KVGraphBackend:
                     config.compile_sizes, compiler, fingerprint,
                 )
             runnable: Callable = built[fingerprint]
-            if config.graph_mode in _PIECEWISE_GRAPH_MODES:
+            if config.graph_mode.has_piecewise_graphs:
                 # One wrapper per position: identical pieces share builds, never graphs.
-                runnable = GraphWrapper(runnable, platform, GraphMode.PIECEWISE, piece.name,
-                                        config.check_graph_inputs)
+                runnable = GraphWrapper(runnable, GraphMode.PIECEWISE, piece.name)
             # setattr rejects non-Modules; the split module's forward finds it in __dict__.
             split.split_module.__dict__[piece.name] = runnable
         return split.split_module

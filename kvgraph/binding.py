@@ -7,6 +7,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from kvgraph.devices import same_device
 from kvgraph.errors import KVCacheError
 from kvgraph.kv_cache import AttentionLayerBase, KVCache
 
@@ -35,11 +36,15 @@ def bind_kv_cache(
     `layers` maps layer names to modules; entries that are not kvgraph attention layers, and
     layers that keep no cache, are skipped. `kv_caches` is a dict by layer name, or a list whose
     i-th entry belongs to the cache-owning layer with the i-th smallest layer index.
-    `shared_kv_cache_layers` maps a layer to an earlier layer whose very tuple it reuses.
+    `shared_kv_cache_layers` maps a layer to an earlier layer whose very tuple it reuses; such
+    a layer only reads it (the target's writes serve both), as does a layer built with
+    `kv_sharing_target_layer_name`. Bind before the model is compiled: a compiled graph keeps
+    whether each layer writes.
     `device` and `dtype`, when given, are checked too. Nothing is bound unless all checks pass.
     """
     cache_layers = _cache_layers(layers)
-    shared = _resolve_sharing(cache_layers, dict(shared_kv_cache_layers or {}))
+    sharing = _sharing(cache_layers, shared_kv_cache_layers or {})
+    shared = _resolve_sharing(cache_layers, sharing)
     owners = [name for name in cache_layers if name not in shared]
     by_name = _caches_by_name(owners, shared, kv_caches)
 
@@ -53,6 +58,8 @@ def bind_kv_cache(
         bound[name] = bound[target]
     for name, cache in bound.items():
         cache_layers[name].kv_cache = cache
+    for name, target in sharing.items():
+        cache_layers[name].kv_sharing_target_layer_name = target  # its op now only reads
     return bound
 
 
@@ -69,6 +76,21 @@ def _cache_layers(layers: Mapping[str, nn.Module]) -> dict[str, AttentionLayerBa
         if layer.needs_kv_cache:
             cache_layers[name] = layer
     return cache_layers
+
+
+def _sharing(cache_layers: Mapping[str, AttentionLayerBase], given: Mapping[str, str]
+             ) -> dict[str, str]:
+    """Who shares whose cache: what the layers declared at construction, plus `given`."""
+    sharing = {name: layer.kv_sharing_target_layer_name for name, layer in cache_layers.items()
+               if layer.kv_sharing_target_layer_name is not None}
+    for name, target in given.items():
+        declared = sharing.setdefault(name, target)
+        if declared != target:
+            raise KVCacheError(
+                f"shared_kv_cache_layers[{name!r}] = {target!r}, but the layer was built with "
+                f"kv_sharing_target_layer_name={declared!r}"
+            )
+    return sharing
 
 
 def _model_order(cache_layers: Mapping[str, AttentionLayerBase]) -> dict[str, tuple[int, int]]:
@@ -164,7 +186,7 @@ def _checked_cache(
             raise KVCacheError(f"{where}: expected shape {shape}, got {tuple(tensor.shape)}")
         if tensor.dtype != spec.dtype:
             raise KVCacheError(f"{where}: expected dtype {spec.dtype}, got {tensor.dtype}")
-        if device is not None and tensor.device != device:
+        if device is not None and not same_device(tensor.device, device):
             raise KVCacheError(f"{where}: expected device {device}, got {tensor.device}")
         if not tensor.is_contiguous():
             raise KVCacheError(f"{where}: must be contiguous (stride {tensor.stride()})")

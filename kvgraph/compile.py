@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,6 +22,22 @@ def mark_token_dims(*tensors: torch.Tensor) -> None:
         torch._dynamo.decorators.mark_unbacked(tensor, 0)
 
 
+def own_forward(model: nn.Module) -> Callable:
+    """`model.forward`, bound to `model`, on a code object of its own.
+
+    Dynamo keeps compiled code, and counts recompiles against its limit of 8, per code object.
+    Every model of one class would share both: a process's ninth runner would silently run
+    uncompiled, and a dropped runner's compiled code would stay reachable. A private copy of
+    the code gives each compiled model entries of its own, freed with it.
+    """
+    function = type(model).forward
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)
+    own.__kwdefaults__ = function.__kwdefaults__
+    own.__qualname__ = function.__qualname__
+    return types.MethodType(own, model)
+
+
 class CompiledModel:
     """A model compiled by kvgraph: call it as the model, with `(input_ids, positions)`.
 
@@ -36,7 +53,7 @@ class CompiledModel:
         options: dict[str, Any] = {}
         if not self.config.check_guards:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
-        self._compiled = torch.compile(model, backend=self.backend, options=options)
+        self._compiled = torch.compile(own_forward(model), backend=self.backend, options=options)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs: Any) -> Any:
         mark_token_dims(input_ids, positions)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ ENV_PREFIX = "KVGRAPH_"
 # DESIGN.md names the dump variable without the `_PATH` suffix.
 ENV_ALIASES = {"debug_dump_path": "KVGRAPH_DEBUG_DUMP"}
 
+logger = logging.getLogger(__name__)
+
 
 class GraphMode(enum.Enum):
     """Which parts of a forward run as captured graphs (see DESIGN.md, contract 4)."""
@@ -34,6 +37,16 @@ class GraphMode(enum.Enum):
     FULL = "full"
     FULL_DECODE_ONLY = "full_decode_only"
     FULL_AND_PIECEWISE = "full_and_piecewise"
+
+    @property
+    def has_full_graphs(self) -> bool:
+        """Whether some steps run as one graph of the whole forward, attention included."""
+        return self in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
+
+    @property
+    def has_piecewise_graphs(self) -> bool:
+        """Whether some steps run as graphs of the pieces between attention ops."""
+        return self in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
 
     @classmethod
     def parse(cls, value: GraphMode | str) -> GraphMode:
@@ -83,6 +96,12 @@ class CompilationConfig:
                 set_(name, _check_sizes(name, sizes, self.max_num_tokens))
         set_("splitting_ops", tuple(self.splitting_ops))
         set_("passes", tuple(self.passes))
+        if not self.splitting_ops and self.graph_mode.has_piecewise_graphs:
+            # Nothing to split at: the one piece is the whole forward, attention inside, which
+            # is a full graph per descriptor (vLLM does the same).
+            logger.warning("kvgraph: splitting_ops is empty, so graph_mode %r captures the whole "
+                           "forward per descriptor: it runs as 'full'", self.graph_mode.value)
+            set_("graph_mode", GraphMode.FULL)
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
         _check_choice("piece_compiler", self.piece_compiler, PIECE_COMPILERS)

@@ -14,25 +14,31 @@ from kvgraph.forward_context import BatchDescriptor
 logger = logging.getLogger(__name__)
 
 
-# What each mode becomes for a backend that cannot serve it, and why.
-_DOWNGRADES = {
-    GraphSupport.UNIFORM_DECODE: {GraphMode.FULL: GraphMode.FULL_AND_PIECEWISE},
-    GraphSupport.NEVER: {
-        GraphMode.FULL: GraphMode.PIECEWISE,
-        GraphMode.FULL_AND_PIECEWISE: GraphMode.PIECEWISE,
-        GraphMode.FULL_DECODE_ONLY: GraphMode.NONE,
-    },
-}
+def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str,
+                       can_split: bool = True) -> GraphMode:
+    """`mode`, or the closest mode `backend` can serve, with a warning saying what and why.
 
-
-def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str) -> GraphMode:
-    """`mode`, or the closest mode `backend` can serve, with a warning saying what and why."""
-    resolved = _DOWNGRADES.get(support, {}).get(mode, mode)
+    `can_split` is False when the config has no splitting ops, so no piecewise graphs exist.
+    """
+    piecewise = GraphMode.PIECEWISE if can_split else GraphMode.NONE
+    downgrades = {
+        GraphSupport.UNIFORM_DECODE: {
+            GraphMode.FULL: GraphMode.FULL_AND_PIECEWISE if can_split else GraphMode.FULL_DECODE_ONLY,
+        },
+        GraphSupport.NEVER: {
+            GraphMode.FULL: piecewise,
+            GraphMode.FULL_AND_PIECEWISE: piecewise,
+            GraphMode.FULL_DECODE_ONLY: GraphMode.NONE,
+        },
+    }
+    resolved = downgrades.get(support, {}).get(mode, mode)
     if resolved is not mode:
         logger.warning(
             "kvgraph: graph mode %r downgraded to %r: attention backend %r captures attention "
-            "only for %s batches", mode.value, resolved.value, backend,
+            "only for %s batches%s", mode.value, resolved.value, backend,
             "uniform-decode" if support is GraphSupport.UNIFORM_DECODE else "no",
+            "" if resolved.has_full_graphs or resolved.has_piecewise_graphs
+            else ", and with no splitting_ops there are no pieces: nothing will be captured",
         )
     return resolved
 
@@ -44,13 +50,15 @@ class DispatchStats:
     hits: collections.Counter = field(default_factory=collections.Counter)
     padded_tokens: int = 0
     fallbacks: int = 0  # batches above the largest capture size, run without graphs
+    uncaptured: int = 0  # batches whose descriptor has no captured graph, run without graphs
 
 
 class Dispatcher:
     """Maps a batch to `(runtime_mode, BatchDescriptor)` for one resolved graph mode.
 
     Full-graph keys for uniform decode carry `num_reqs` (attention metadata shapes depend on
-    it) and exist only up to `max_num_seqs`; piecewise keys carry only `num_tokens`.
+    it) and exist only up to `max_num_seqs`; piecewise keys carry only `num_tokens`. A key is
+    dispatched to its graphs only once it is in `captured`; before, its batches run without.
     """
 
     def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], max_num_seqs: int):
@@ -58,16 +66,8 @@ class Dispatcher:
         self.capture_sizes = tuple(sorted(capture_sizes))
         self.decode_sizes = tuple(s for s in self.capture_sizes if s <= max_num_seqs)
         self.stats = DispatchStats()
-        self._warned_fallback = False
-
-    @property
-    def uses_full(self) -> bool:
-        return self.graph_mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY,
-                                   GraphMode.FULL_AND_PIECEWISE)
-
-    @property
-    def uses_piecewise(self) -> bool:
-        return self.graph_mode in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
+        self.captured: set[tuple[GraphMode, BatchDescriptor]] = set()
+        self._warned_fallback = self._warned_uncaptured = False
 
     @staticmethod
     def _padded(sizes: tuple[int, ...], n: int) -> int | None:
@@ -77,6 +77,14 @@ class Dispatcher:
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool
                  ) -> tuple[GraphMode, BatchDescriptor]:
         mode, descriptor = self._choose(num_tokens, num_reqs, uniform_decode)
+        if mode is not GraphMode.NONE and (mode, descriptor) not in self.captured:
+            self.stats.uncaptured += 1
+            if not self._warned_uncaptured:
+                self._warned_uncaptured = True
+                logger.info("kvgraph: a batch for %s %s ran without graphs: none was captured "
+                            "(call ModelRunner.capture(); counted in stats, logged once)",
+                            mode.value, descriptor)
+            mode, descriptor = GraphMode.NONE, BatchDescriptor(num_tokens)
         self.stats.hits[(mode.value, descriptor)] += 1
         self.stats.padded_tokens += descriptor.num_tokens - num_tokens
         return mode, descriptor
@@ -85,14 +93,14 @@ class Dispatcher:
                 ) -> tuple[GraphMode, BatchDescriptor]:
         if self.graph_mode in (GraphMode.EAGER, GraphMode.NONE):
             return GraphMode.NONE, BatchDescriptor(num_tokens)
-        if self.uses_full and uniform_decode:
+        if self.graph_mode.has_full_graphs and uniform_decode:
             padded = self._padded(self.decode_sizes, num_tokens)
             if padded is not None:
                 return GraphMode.FULL, BatchDescriptor(padded, padded, uniform_decode=True)
         padded = self._padded(self.capture_sizes, num_tokens)
         if padded is not None and self.graph_mode is GraphMode.FULL:
             return GraphMode.FULL, BatchDescriptor(padded)
-        if padded is not None and self.uses_piecewise:
+        if padded is not None and self.graph_mode.has_piecewise_graphs:
             return GraphMode.PIECEWISE, BatchDescriptor(padded)
         if padded is None:
             self.stats.fallbacks += 1
@@ -106,10 +114,10 @@ class Dispatcher:
     def descriptors_to_capture(self) -> list[tuple[GraphMode, BatchDescriptor]]:
         """Every key the mode asks for, largest first (later, smaller graphs reuse its pool)."""
         keys = []
-        if self.uses_full:
+        if self.graph_mode.has_full_graphs:
             keys += [(GraphMode.FULL, BatchDescriptor(s, s, True)) for s in self.decode_sizes]
         if self.graph_mode is GraphMode.FULL:
             keys += [(GraphMode.FULL, BatchDescriptor(s)) for s in self.capture_sizes]
-        if self.uses_piecewise:
+        if self.graph_mode.has_piecewise_graphs:
             keys += [(GraphMode.PIECEWISE, BatchDescriptor(s)) for s in self.capture_sizes]
         return sorted(keys, key=lambda key: key[1].num_tokens, reverse=True)

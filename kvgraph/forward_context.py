@@ -12,6 +12,7 @@ from kvgraph.errors import ForwardContextError
 if TYPE_CHECKING:
     from kvgraph.attention.metadata import AttentionMetadata
     from kvgraph.config import GraphMode
+    from kvgraph.graphs import GraphSet
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,15 @@ class ForwardContext:
     `attn_backend` names the attention backend (see `kvgraph.attention.backends`); None picks
     the default for the device the attention inputs live on. `runtime_mode` is what the
     dispatcher chose for this step (`NONE`, `PIECEWISE` or `FULL`): graph wrappers of that mode
-    capture or replay the `batch_descriptor`'s graph, all others just run.
+    replay the `batch_descriptor`'s graph from `graphs` (the runner's graph set), all others
+    just run; without `graphs` every wrapper just runs.
     """
 
     attn_metadata: AttentionMetadata | None
     batch_descriptor: BatchDescriptor | None = None
     attn_backend: str | None = None
     runtime_mode: GraphMode | None = None
+    graphs: GraphSet | None = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -63,12 +66,13 @@ def set_forward_context(
     batch_descriptor: BatchDescriptor | None = None,
     attn_backend: str | None = None,
     runtime_mode: GraphMode | None = None,
+    graphs: GraphSet | None = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention op called inside the block.
 
     Contexts nest: leaving an inner one restores the outer one, also on an exception.
     """
-    context = ForwardContext(attn_metadata, batch_descriptor, attn_backend, runtime_mode)
+    context = ForwardContext(attn_metadata, batch_descriptor, attn_backend, runtime_mode, graphs)
     token = _current.set(context)
     try:
         yield context

@@ -1,13 +1,20 @@
-"""Capture and replay of one callable as a device graph per BatchDescriptor.
+"""Capture and replay of compiled callables as device graphs, one per BatchDescriptor.
 
-A wrapper acts only when the step's runtime mode (set by the dispatcher in the forward context)
-is its own: piecewise wrappers around pieces and one full wrapper around the whole forward can
-therefore nest without capturing twice. Capture is not compilation: the wrapped callable is
-already built; this module only records and replays it.
+`GraphWrapper`s sit inside the compiled model (one around each piece, one around the whole
+forward); the graphs themselves belong to a `GraphSet`, one per runner, which the step's forward
+context names. Dropping the set frees its graphs and its memory pool, whatever still refers to
+the compiled model (Dynamo's caches do). A wrapper acts only when the step's runtime mode is its
+own, so piecewise wrappers and the full wrapper nest without capturing twice.
+
+Graphs are captured only inside the set's capture phase: on CUDA and NPU a capture records
+kernels without running them, so a step captured on live data would return unwritten outputs
+and make none of its cache writes. Outside the phase a descriptor without a graph runs without
+one. Capture is not compilation: the wrapped callable is already built.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import logging
@@ -36,50 +43,114 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def graph_key(mode: GraphMode, descriptor: BatchDescriptor) -> str:
+    """How stats and logs name the graphs of one descriptor in one runtime mode."""
+    return f"{mode.value}:{descriptor}"
+
+
+class GraphWrapper:
+    """`runnable`, replayed from the step's GraphSet when the step runs in `runtime_mode`."""
+
+    def __init__(self, runnable: Callable, runtime_mode: GraphMode, name: str):
+        assert runtime_mode in (GraphMode.PIECEWISE, GraphMode.FULL), runtime_mode
+        self.runnable = runnable
+        self.runtime_mode = runtime_mode
+        self.name = name
+
+    def __call__(self, *args: Any) -> Any:
+        context = current_forward_context()
+        if (context is None or context.graphs is None
+                or context.runtime_mode is not self.runtime_mode
+                or context.batch_descriptor is None):
+            return self.runnable(*args)
+        return context.graphs.run(self, context.batch_descriptor, args)
+
+
 @dataclass
 class GraphEntry:
     graph: DeviceGraph
+    key: str  # graph_key of its mode and descriptor
     capture_seconds: float
     memory_bytes: int
     replays: int = 0
 
 
-class GraphWrapper:
-    """`runnable`, captured once per descriptor in `runtime_mode`, replayed afterwards."""
+class GraphSet:
+    """One runner's graphs: their memory pool, every captured graph, and the capture phase.
 
-    def __init__(self, runnable: Callable, platform: Platform, runtime_mode: GraphMode, name: str,
-                 check_inputs: bool = False):
-        assert runtime_mode in (GraphMode.PIECEWISE, GraphMode.FULL), runtime_mode
-        self.runnable = runnable
+    `check_inputs` makes every replay check that its inputs did not move (debugging).
+    """
+
+    def __init__(self, platform: Platform, check_inputs: bool = False):
         self.platform = platform
-        self.runtime_mode = runtime_mode
-        self.name = name
         self.check_inputs = check_inputs
-        self.entries: dict[BatchDescriptor, GraphEntry] = {}
+        self.pool = platform.new_graph_pool()
+        self.entries: dict[tuple[GraphWrapper, BatchDescriptor], GraphEntry] = {}
+        self.capturing = False
+        self._warned: set[str] = set()
 
-    def __call__(self, *args: Any) -> Any:
-        context = current_forward_context()
-        if (context is None or context.runtime_mode is not self.runtime_mode
-                or context.batch_descriptor is None):
-            return self.runnable(*args)
-        entry = self.entries.get(context.batch_descriptor)
-        if entry is None:
-            return self._capture(context.batch_descriptor, args)
-        entry.replays += 1
-        graph_counters.replays += 1
-        return entry.graph.replay(args)
+    @contextlib.contextmanager
+    def capture_phase(self) -> Iterator[None]:
+        """The only place graphs are captured (see the module docstring)."""
+        self.capturing = True
+        try:
+            with gc_paused():
+                yield
+        finally:
+            self.capturing = False
 
-    def _capture(self, descriptor: BatchDescriptor, args: tuple) -> Any:
+    def run(self, wrapper: GraphWrapper, descriptor: BatchDescriptor, args: tuple) -> Any:
+        """Replay `wrapper`'s graph for `descriptor`; capture it in the capture phase."""
+        entry = self.entries.get((wrapper, descriptor))
+        if entry is not None:
+            entry.replays += 1
+            graph_counters.replays += 1
+            return entry.graph.replay(args)
+        if self.capturing:
+            return self._capture(wrapper, descriptor, args)
+        key = graph_key(wrapper.runtime_mode, descriptor)
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.info("kvgraph: no graph was captured for %s; it runs without graphs "
+                        "(graphs are captured only by ModelRunner.capture())", key)
+        return wrapper.runnable(*args)
+
+    def _capture(self, wrapper: GraphWrapper, descriptor: BatchDescriptor, args: tuple) -> Any:
         start = time.perf_counter()
         graph = self.platform.make_graph(self.check_inputs)
-        with gc_paused():
-            outputs = graph.capture(self.runnable, args, self.platform.graph_pool())
+        outputs = graph.capture(wrapper.runnable, args, self.pool)
         self.platform.synchronize()
-        entry = GraphEntry(graph, time.perf_counter() - start, graph.memory_bytes)
-        self.entries[descriptor] = entry
+        entry = GraphEntry(graph, graph_key(wrapper.runtime_mode, descriptor),
+                           time.perf_counter() - start, graph.memory_bytes)
+        self.entries[(wrapper, descriptor)] = entry
         graph_counters.captures += 1
         graph_counters.capture_seconds += entry.capture_seconds
         graph_counters.graph_bytes += entry.memory_bytes
-        logger.debug("kvgraph: captured %s for %s in %.3f s", self.name, descriptor,
-                     entry.capture_seconds)
+        logger.debug("kvgraph: captured %s for %s in %.3f s, %d bytes", wrapper.name, entry.key,
+                     entry.capture_seconds, entry.memory_bytes)
         return outputs
+
+    def memory_by_descriptor(self) -> dict[str, int]:
+        """Bytes each descriptor's graphs hold (what their captures added to the pool)."""
+        totals: dict[str, int] = collections.Counter()
+        for entry in self.entries.values():
+            totals[entry.key] += entry.memory_bytes
+        return dict(totals)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this set holds and did: graph count, replays, capture time, memory."""
+        by_descriptor = self.memory_by_descriptor()
+        return {
+            "captures": len(self.entries),
+            "replays": sum(e.replays for e in self.entries.values()),
+            "capture_seconds": sum(e.capture_seconds for e in self.entries.values()),
+            "graph_bytes": sum(by_descriptor.values()),
+            "bytes_by_descriptor": by_descriptor,
+        }
+
+    def release(self) -> None:
+        """Free every graph and the pool; later steps run without graphs."""
+        for entry in self.entries.values():
+            entry.graph.reset()
+        self.entries.clear()
+        self.pool = self.platform.new_graph_pool()

@@ -99,6 +99,8 @@ class AttentionLayerBase(nn.Module):
 
     layer_name: str
     kv_cache: KVCache
+    # The layer whose cache this one reads without writing (vLLM's KV sharing), or None.
+    kv_sharing_target_layer_name: str | None = None
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec | None:
         """The spec of this layer's cache, or None when the layer keeps no cache."""
@@ -131,14 +133,16 @@ def kv_cache_specs(
 ) -> dict[str, KVCacheSpec]:
     """One spec per attention layer that keeps its own cache, by layer name.
 
-    Layers that keep no cache (encoder-only) and layers named in `shared_kv_cache_layers`
-    (which reuse another layer's cache) get no spec, so nothing is allocated for them.
+    Layers that keep no cache (encoder-only) and layers that reuse another layer's cache (built
+    with `kv_sharing_target_layer_name` or named in `shared_kv_cache_layers`) get no spec, so
+    nothing is allocated for them.
     """
     shared = shared_kv_cache_layers or {}
     specs = {}
     for name, layer in attention_layers(model).items():
         spec = layer.kv_cache_spec(block_size, dtype)
-        if spec is not None and name not in shared:
+        sharing = name in shared or layer.kv_sharing_target_layer_name is not None
+        if spec is not None and not sharing:
             specs[name] = spec
     return specs
 

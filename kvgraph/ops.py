@@ -67,8 +67,13 @@ def unified_attention(
     out: torch.Tensor,
     scale: float,
     sliding_window: int = -1,
+    write_kv: bool = True,
 ) -> None:
-    """Paged causal attention; `sliding_window` -1 means none. Shapes: see AttentionBackend."""
+    """Paged causal attention; `sliding_window` -1 means none. Shapes: see AttentionBackend.
+
+    `write_kv=False` is a layer that reads another layer's cache: nothing is written, and its
+    keys and values come from the cache alone (the target layer wrote this step's tokens).
+    """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
     if num_heads % num_kv_heads:
@@ -83,12 +88,12 @@ def unified_attention(
     _check_cache(kv_cache, ((0, num_kv_heads, head_size),) * 2, metadata)
     get_attention_backend(backend, query.device).forward(
         query, key, value, kv_cache, out, metadata, scale,
-        sliding_window if sliding_window > 0 else None,
+        sliding_window if sliding_window > 0 else None, write_kv,
     )
 
 
 @unified_attention.register_fake
-def _(query, key, value, kv_cache, out, scale, sliding_window=-1) -> None:
+def _(query, key, value, kv_cache, out, scale, sliding_window=-1, write_kv=True) -> None:
     return None
 
 
@@ -101,8 +106,12 @@ def unified_mla_attention(
     kv_cache: list[torch.Tensor],
     out: torch.Tensor,
     scale: float,
+    write_kv: bool = True,
 ) -> None:
-    """Paged causal MLA over the latent cache; the output is in the latent space."""
+    """Paged causal MLA over the latent cache; the output is in the latent space.
+
+    `write_kv=False`: the layer reads another layer's cache and writes nothing.
+    """
     num_tokens, num_heads, kv_lora_rank = q_latent.shape
     rope_dim = q_pe.shape[-1]
     _check_shape("q_pe", q_pe, (num_tokens, num_heads, rope_dim))
@@ -112,30 +121,34 @@ def unified_mla_attention(
     metadata, backend = _metadata(num_tokens)
     _check_cache(kv_cache, ((0, kv_lora_rank), (0, rope_dim)), metadata)
     get_attention_backend(backend, q_latent.device).forward_mla(
-        q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale
+        q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale, write_kv
     )
 
 
 @unified_mla_attention.register_fake
-def _(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale) -> None:
+def _(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale, write_kv=True) -> None:
     return None
 
 
 @torch.library.custom_op("kvgraph::encoder_attention", mutates_args=("out",))
 def encoder_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, scale: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor, scale: float,
+    sliding_window: int = -1,
 ) -> None:
-    """Bidirectional attention within each request's new tokens; no KV cache."""
+    """Bidirectional attention within each request's new tokens; no KV cache.
+
+    With `sliding_window` w > 0, token i sees token j of its request only when |i - j| < w.
+    """
     num_tokens, num_heads, head_size = query.shape
     _check_shape("key", key, (num_tokens, key.shape[1], head_size))
     _check_shape("value", value, tuple(key.shape))
     _check_shape("out", out, (num_tokens, num_heads, head_size))
     metadata, backend = _metadata(num_tokens)
     get_attention_backend(backend, query.device).forward_encoder(
-        query, key, value, out, metadata, scale
+        query, key, value, out, metadata, scale, sliding_window if sliding_window > 0 else None
     )
 
 
 @encoder_attention.register_fake
-def _(query, key, value, out, scale) -> None:
+def _(query, key, value, out, scale, sliding_window=-1) -> None:
     return None

@@ -3,6 +3,9 @@
     runner = kvgraph.ModelRunner(model, config, num_blocks=..., block_size=..., ...)
     runner.capture()                   # every graph the config asks for, largest first
     logits = runner.execute(chunks)    # [num_reqs, vocab]: each chunk's last-token logits
+
+The runner owns its graphs and their memory pool (a GraphSet): dropping it, or `close()`,
+frees them.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from kvgraph.attention.metadata import RequestChunk
 from kvgraph.binding import bind_kv_cache
 from kvgraph.compile import compile_model
 from kvgraph.config import CompilationConfig, GraphMode
-from kvgraph.counters import compile_counters, graph_counters
+from kvgraph.counters import compile_counters
+from kvgraph.devices import canonical_device
 from kvgraph.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
-from kvgraph.graphs import gc_paused
+from kvgraph.graphs import GraphSet
 from kvgraph.input_buffers import InputBuffers, StepShape
 from kvgraph.kv_cache import allocate_kv_caches, attention_layers, kv_cache_specs
 from kvgraph.platforms import get_platform
@@ -45,13 +49,13 @@ class ModelRunner:
                  num_blocks: int, block_size: int, max_num_tokens: int, max_num_seqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                  max_model_len: int | None = None, attn_backend: str | None = None):
-        self.device = torch.device(device)
+        self.device = canonical_device(device)
         self.platform = get_platform(self.device)
         self.attn_backend = attn_backend or self.platform.attention_backend
         backend = get_attention_backend(self.attn_backend, self.device)
         config = (config or CompilationConfig()).replace(max_num_tokens=max_num_tokens)
-        self.config = config.replace(
-            graph_mode=resolve_graph_mode(config.graph_mode, backend.graph_support, backend.name))
+        self.config = config.replace(graph_mode=resolve_graph_mode(
+            config.graph_mode, backend.graph_support, backend.name, bool(config.splitting_ops)))
         self.model = model
         dtype = dtype or next(model.parameters()).dtype
         specs = kv_cache_specs(model, block_size, dtype)
@@ -64,8 +68,8 @@ class ModelRunner:
                                      max_num_seqs)
         eager = self.config.graph_mode is GraphMode.EAGER
         self.forward = model if eager else compile_model(model, self.config)
+        self.graphs = GraphSet(self.platform, self.config.check_graph_inputs)
         self.hidden_states: torch.Tensor | None = None  # last step's padded output (debugging)
-        self._captured: set[tuple[GraphMode, BatchDescriptor]] = set()
 
     def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:
         """Run one step; the logits of each chunk's last token, `[len(chunks), vocab]`.
@@ -96,30 +100,37 @@ class ModelRunner:
         input_ids, positions, metadata = self.buffers.fill(chunks, shape)
         if not write_cache:  # dummy batches must leave every cache slot as it was
             metadata.slot_mapping.fill_(-1)
-        with torch.no_grad(), set_forward_context(metadata, descriptor, self.attn_backend, mode):
+        with torch.no_grad(), set_forward_context(metadata, descriptor, self.attn_backend, mode,
+                                                  self.graphs):
             self.hidden_states = self.forward(input_ids, positions)
         return self.hidden_states
 
     def capture(self) -> dict[str, Any]:
-        """Capture every graph the mode asks for, largest first; returns a summary."""
+        """Capture every graph the mode asks for, largest first; returns a summary.
+
+        The summary counts the graphs this call captured and its seconds; `bytes` and
+        `bytes_by_descriptor` are what all of this runner's graphs hold.
+        """
         from tqdm import tqdm
 
         keys = [key for key in self.dispatcher.descriptors_to_capture()
-                if key not in self._captured and key[1].num_tokens <= self.buffers.max_num_tokens]
-        before = graph_counters.snapshot()
+                if key not in self.dispatcher.captured]
+        before = len(self.graphs.entries)
         start = time.perf_counter()
-        with gc_paused():
+        with self.graphs.capture_phase():
             for mode, descriptor in tqdm(keys, desc="kvgraph capture", disable=not keys,
                                          leave=False):
                 self._capture_one(mode, descriptor)
-                self._captured.add((mode, descriptor))
+                self.dispatcher.captured.add((mode, descriptor))
+        held = self.graphs.snapshot()
         summary = {
-            "graphs": graph_counters.captures - before["captures"],
+            "graphs": held["captures"] - before,
             "seconds": time.perf_counter() - start,
-            "bytes": graph_counters.graph_bytes - before["graph_bytes"],
+            "bytes": held["graph_bytes"],
+            "bytes_by_descriptor": held["bytes_by_descriptor"],
         }
-        logger.info("kvgraph: captured %d graphs in %.2f s, %d bytes", summary["graphs"],
-                    summary["seconds"], summary["bytes"])
+        logger.info("kvgraph: captured %d graphs in %.2f s; this runner's graphs hold %.1f MiB",
+                    summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
         return summary
 
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
@@ -131,13 +142,20 @@ class ModelRunner:
         self._run(chunks, mode, descriptor, shape, write_cache=False)
 
     def stats(self) -> dict[str, Any]:
-        """Dispatch counts of this runner, and process-wide compile and graph counters."""
+        """This runner's dispatch counts and graphs (memory included); process-wide compile
+        counters."""
         dispatch = self.dispatcher.stats
         return {
             "graph_mode": self.config.graph_mode.value,
             "hits": {f"{mode}:{d}": n for (mode, d), n in dispatch.hits.items()},
             "padded_tokens": dispatch.padded_tokens,
             "fallbacks": dispatch.fallbacks,
-            "graphs": graph_counters.snapshot(),
+            "uncaptured": dispatch.uncaptured,
+            "graphs": self.graphs.snapshot(),
             "compile": compile_counters.snapshot(),
         }
+
+    def close(self) -> None:
+        """Free this runner's graphs and their pool now; later steps run without graphs."""
+        self.graphs.release()
+        self.dispatcher.captured.clear()

@@ -23,6 +23,21 @@ def test_cpu_graph_replays_into_the_buffers_it_captured():
     assert not torch.equal(captured[0], first[0]), "the previous step's output was overwritten"
 
 
+def test_a_cpu_capture_returns_buffers_not_results_as_a_device_capture_does():
+    graph = get_platform("cpu").make_graph(check_inputs=False)
+    x = torch.tensor([1.0, 2.0])
+    doubled, passed_through, as_int = graph.capture(lambda t: (t * 2, t, (t * 3).long()), (x,),
+                                                    pool=None)
+    assert torch.isnan(doubled).all(), "a capture's float outputs must not look like results"
+    assert (as_int == torch.iinfo(torch.long).min).all()
+    assert passed_through is x and x.tolist() == [1.0, 2.0], "an input passed through is kept"
+    assert graph.memory_bytes == doubled.untyped_storage().nbytes() + as_int.untyped_storage().nbytes()
+    graph.replay((x,))
+    assert doubled.tolist() == [2.0, 4.0] and as_int.tolist() == [3, 6]
+    graph.reset()
+    assert graph.memory_bytes == 0 and graph.outputs is None
+
+
 def test_cpu_graph_refuses_inputs_that_moved_when_checking():
     graph = get_platform("cpu").make_graph(check_inputs=True)
     x = torch.ones(3)
@@ -59,7 +74,7 @@ def test_cuda_graph_replays_into_the_buffers_it_captured():
     for _ in range(2):  # warm up outside capture, as the runner does
         x * 2
     torch.cuda.synchronize()
-    captured = graph.capture(lambda t: t * 2, (x,), platform.graph_pool())
+    captured = graph.capture(lambda t: t * 2, (x,), platform.new_graph_pool())
     x.fill_(3.0)
     assert graph.replay((x,)) is captured
     torch.testing.assert_close(captured, torch.full((4,), 6.0, device="cuda"))

@@ -17,12 +17,13 @@ TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
-def make_runner(kind, mode, device="cpu", piece_compiler="eager", **config):
+def make_runner(kind, mode, device="cpu", piece_compiler="eager", attn_backend=None, **config):
     model = make_model(kind).to(device)
     config = CompilationConfig(graph_mode=mode, piece_compiler=piece_compiler,
                                capture_sizes=CAPTURE_SIZES, check_graph_inputs=True, **config)
     return kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                               max_num_tokens=32, max_num_seqs=8, device=device)
+                               max_num_tokens=32, max_num_seqs=8, device=device,
+                               attn_backend=attn_backend)
 
 
 def assert_matches_eager(kind, mode, device="cpu", **config):
@@ -84,8 +85,10 @@ class AlwaysCapturableBackend(kvgraph.attention.backends.TorchNativeBackend):
     graph_support = kvgraph.GraphSupport.ALWAYS
 
 
+kvgraph.attention.backends.register_attention_backend(AlwaysCapturableBackend)
+
+
 def test_full_graphs_for_mixed_batches_with_a_backend_that_supports_them():
-    kvgraph.attention.backends.register_attention_backend(AlwaysCapturableBackend)
     eager = make_runner("llama", "eager")
     expected, expected_tokens = generate(eager, eager.model.config.vocab_size)
     model = make_model("llama")
@@ -94,6 +97,7 @@ def test_full_graphs_for_mixed_batches_with_a_backend_that_supports_them():
     runner = kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                                  max_num_tokens=32, max_num_seqs=8, attn_backend="test_always")
     assert runner.config.graph_mode is GraphMode.FULL
+    runner.capture()
     logits, tokens = generate(runner, model.config.vocab_size)
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected, **TOLERANCE)

@@ -23,8 +23,11 @@ class Attention(AttentionLayerBase):
     """Multi-head attention over a paged `(key_cache, value_cache)`; MHA, GQA and MQA.
 
     `attn_type="encoder_only"` attends bidirectionally within each request's new tokens and
-    keeps no cache. The call is the same in eager and graph mode; the cache tuple set by
-    `bind_kv_cache` is read from `self.kv_cache` and mutated in place.
+    keeps no cache (a `sliding_window` w then lets token i see token j when |i - j| < w).
+    `kv_sharing_target_layer_name` makes the layer read that earlier layer's cache without
+    writing it; its own keys and values are then unused. The call is the same in eager and
+    graph mode; the cache tuple set by `bind_kv_cache` is read from `self.kv_cache` and
+    mutated in place.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class Attention(AttentionLayerBase):
         layer_name: str,
         sliding_window: int | None = None,
         attn_type: str = "decoder",
+        kv_sharing_target_layer_name: str | None = None,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -48,9 +52,13 @@ class Attention(AttentionLayerBase):
             raise ValueError(f"{layer_name}: sliding_window must be >= 1, got {sliding_window}")
         if attn_type not in ATTENTION_TYPES:
             raise ValueError(f"{layer_name}: attn_type must be one of {ATTENTION_TYPES}")
+        if attn_type == "encoder_only" and kv_sharing_target_layer_name is not None:
+            raise ValueError(f"{layer_name}: an encoder-only layer keeps no cache, so it cannot "
+                             f"share {kv_sharing_target_layer_name!r}'s")
         self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
         self.scale, self.sliding_window = scale, sliding_window
         self.layer_name, self.attn_type = layer_name, attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.kv_cache: tuple[torch.Tensor, ...] = ()
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec | None:
@@ -66,11 +74,13 @@ class Attention(AttentionLayerBase):
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         out = torch.empty_like(query)
         if self.attn_type == "encoder_only":
-            torch.ops.kvgraph.encoder_attention(query, key, value, out, self.scale)
+            torch.ops.kvgraph.encoder_attention(query, key, value, out, self.scale,
+                                                self.sliding_window or -1)
         else:
             _check_bound(self)
             torch.ops.kvgraph.unified_attention(
-                query, key, value, self.kv_cache, out, self.scale, self.sliding_window or -1
+                query, key, value, self.kv_cache, out, self.scale, self.sliding_window or -1,
+                self.kv_sharing_target_layer_name is None,
             )
         return out.view(num_tokens, self.num_heads * self.head_size)
 
@@ -78,6 +88,8 @@ class Attention(AttentionLayerBase):
         return (
             f"{self.layer_name!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_size={self.head_size}, window={self.sliding_window}, type={self.attn_type}"
+            + (f", shares={self.kv_sharing_target_layer_name!r}"
+               if self.kv_sharing_target_layer_name else "")
         )
 
 
@@ -89,10 +101,11 @@ class MLAAttention(AttentionLayerBase):
     """
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float,
-                 layer_name: str):
+                 layer_name: str, kv_sharing_target_layer_name: str | None = None):
         super().__init__()
         self.num_heads, self.kv_lora_rank, self.rope_dim = num_heads, kv_lora_rank, rope_dim
         self.scale, self.layer_name = scale, layer_name
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.kv_cache: tuple[torch.Tensor, ...] = ()
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -104,7 +117,8 @@ class MLAAttention(AttentionLayerBase):
         _check_bound(self)
         out = torch.empty_like(q_latent)
         torch.ops.kvgraph.unified_mla_attention(
-            q_latent, q_pe, kv_c, k_pe, self.kv_cache, out, self.scale
+            q_latent, q_pe, kv_c, k_pe, self.kv_cache, out, self.scale,
+            self.kv_sharing_target_layer_name is None,
         )
         return out
 

@@ -1,4 +1,4 @@
-"""Platforms by device type; each is created once per process (it owns the graph pool)."""
+"""Platforms by device type, one per process: stateless; graph pools belong to runners."""
 
 from __future__ import annotations
 

@@ -37,12 +37,14 @@ class StreamGraph:
     """A device graph of a torch graph API (CUDA, NPU): outputs are what capture produced.
 
     `graph` is the API's graph object, `graph_context(graph, pool=...)` its capture context and
-    `memory_reserved()` its allocator's reserved bytes (the pool growth is what a graph costs).
+    `pool_bytes(pool)` the bytes its allocator holds for a graph pool: what a capture adds to
+    the pool is what the graph costs. Capture records kernels without running them, so its
+    outputs hold no results until the first replay.
     """
 
-    def __init__(self, graph: Any, graph_context: Callable, memory_reserved: Callable[[], int],
+    def __init__(self, graph: Any, graph_context: Callable, pool_bytes: Callable[[Any], int],
                  check_inputs: bool, name: str):
-        self.graph, self.graph_context, self.memory_reserved = graph, graph_context, memory_reserved
+        self.graph, self.graph_context, self.pool_bytes = graph, graph_context, pool_bytes
         self.check_inputs, self.name = check_inputs, name
         self.outputs: Any = None
         self.addresses: list[int | None] = []
@@ -50,10 +52,12 @@ class StreamGraph:
 
     def capture(self, fn: Callable, args: Sequence[Any], pool: Any) -> Any:
         self.addresses = input_addresses(args)
-        before = self.memory_reserved()
+        before = self.pool_bytes(pool)
         with self.graph_context(self.graph, pool=pool):
             self.outputs = fn(*args)
-        self.memory_bytes = self.memory_reserved() - before
+        # A pool only grows while its graphs live; the clamp guards an allocator that reports
+        # less than it holds.
+        self.memory_bytes = max(0, self.pool_bytes(pool) - before)
         return self.outputs
 
     def replay(self, args: Sequence[Any]) -> Any:
@@ -62,16 +66,26 @@ class StreamGraph:
         self.graph.replay()
         return self.outputs
 
+    def reset(self) -> None:
+        self.outputs = None
+        self.graph.reset()
+
 
 class DeviceGraph(Protocol):
     """One captured graph: `capture` records `fn(*args)`, `replay` reruns it on the same buffers.
 
-    Outputs live in buffers owned by the graph and are overwritten by the next replay.
+    What `capture` returns is not a result (a device capture runs nothing): it is the buffers
+    that every replay overwrites. `memory_bytes` is what the graph holds once captured;
+    `reset` frees it.
     """
+
+    memory_bytes: int
 
     def capture(self, fn: Callable, args: Sequence[Any], pool: Any) -> Any: ...
 
     def replay(self, args: Sequence[Any]) -> Any: ...
+
+    def reset(self) -> None: ...
 
 
 class Platform(Protocol):
@@ -84,18 +98,17 @@ class Platform(Protocol):
 
     def make_graph(self, check_inputs: bool) -> DeviceGraph: ...
 
-    def graph_pool(self) -> Any: ...
+    def new_graph_pool(self) -> Any:
+        """A fresh memory pool for one runner's graphs (None where graphs need none)."""
 
     def synchronize(self) -> None: ...
-
-    def memory_in_use(self) -> int: ...
 
 
 class StreamPlatform:
     """A platform over a torch device module with the CUDA graph API (`torch.cuda`, `torch.npu`).
 
-    `module` provides `graph`, `graph_pool_handle`, `synchronize`, `memory_allocated` and
-    `memory_reserved`; `graph_class` is its graph type (`CUDAGraph`, `NPUGraph`).
+    `module` provides `graph`, `graph_pool_handle`, `synchronize` and `memory_snapshot`;
+    `graph_class` is its graph type (`CUDAGraph`, `NPUGraph`).
     """
 
     needs_warmup = True  # first runs initialise kernels and handles that capture cannot
@@ -104,20 +117,21 @@ class StreamPlatform:
     def __init__(self, name: str, module: Any, graph_class: Callable[[], Any]):
         self.name = self.device_type = name
         self.module, self.graph_class = module, graph_class
-        self._pool: Any = None
 
     def make_graph(self, check_inputs: bool) -> StreamGraph:
-        return StreamGraph(self.graph_class(), self.module.graph, self.module.memory_reserved,
-                           check_inputs, f"{self.name}-graph")
+        return StreamGraph(self.graph_class(), self.module.graph, self.pool_bytes, check_inputs,
+                           f"{self.name}-graph")
 
-    def graph_pool(self) -> Any:
-        # One pool for every graph: graphs replay one at a time, so they can share memory.
-        if self._pool is None:
-            self._pool = self.module.graph_pool_handle()
-        return self._pool
+    def new_graph_pool(self) -> Any:
+        # Per runner, never per process: a pool handle reused after the graphs captured in it
+        # were freed trips the caching allocator (`use_count > 0` assert, seen on an H200).
+        return self.module.graph_pool_handle()
+
+    def pool_bytes(self, pool: Any) -> int:
+        """Bytes of the segments the allocator reserved for `pool`."""
+        pool_id = tuple(pool)
+        return sum(segment["total_size"] for segment in self.module.memory_snapshot()
+                   if tuple(segment.get("segment_pool_id", ())) == pool_id)
 
     def synchronize(self) -> None:
         self.module.synchronize()
-
-    def memory_in_use(self) -> int:
-        return self.module.memory_allocated()

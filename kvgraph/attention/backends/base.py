@@ -21,8 +21,9 @@ class GraphSupport(enum.Enum):
 class AttentionBackend(Protocol):
     """Kernels behind kvgraph's attention ops for one kind of device.
 
-    Every method writes its result into `out` (and, with a cache, the new keys/values into the
-    cache at `metadata.slot_mapping`, skipping padding slots) and returns nothing.
+    Every method writes its result into `out` (and, with a cache and `write_kv`, the new
+    keys/values into the cache at `metadata.slot_mapping`, skipping padding slots) and returns
+    nothing. Attention over a cache reads every key from the cache, this step's included.
     """
 
     name: str
@@ -38,6 +39,7 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        write_kv: bool,  # False: the layer reads another layer's cache, writes nothing
     ) -> None: ...
 
     def forward_mla(
@@ -50,6 +52,7 @@ class AttentionBackend(Protocol):
         out: torch.Tensor,  # [T, num_heads, kv_lora_rank]
         metadata: AttentionMetadata,
         scale: float,
+        write_kv: bool,
     ) -> None: ...
 
     def forward_encoder(
@@ -60,4 +63,5 @@ class AttentionBackend(Protocol):
         out: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None,  # bidirectional: |i - j| < sliding_window
     ) -> None: ...

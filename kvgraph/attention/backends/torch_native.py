@@ -84,7 +84,8 @@ def attend(
     """Masked softmax attention of padded queries over padded keys -> `[R, Q, H, Dv]`.
 
     Query j of request r sits at position `key_lens[r] - query_lens[r] + j` (its new tokens are
-    the last of its keys). Rows with no visible key come out as zeros, never NaN.
+    the last of its keys). A query sees keys less than `sliding_window` positions away (before
+    it when causal, on either side when not). Rows with no visible key come out as zeros.
     """
     num_reqs, max_q, num_heads, _ = query.shape
     num_kv_heads = keys.shape[2]
@@ -98,12 +99,13 @@ def attend(
     # would survive its zero weight (0 * NaN), so they are zeroed before the product.
     values = values.masked_fill(~in_sequence[:, :, None, None], 0)
     visible = in_sequence[:, None, :]  # [R, 1, K]
+    query_pos = (key_lens - query_lens)[:, None] + torch.arange(max_q, device=keys.device)
+    distance = query_pos[:, :, None] - key_pos  # [R, Q, K]
     if causal:
-        query_pos = (key_lens - query_lens)[:, None] + torch.arange(max_q, device=keys.device)
-        visible = visible & (key_pos <= query_pos[:, :, None])
-        if sliding_window is not None:
-            visible = visible & (key_pos > query_pos[:, :, None] - sliding_window)
-    visible = visible[:, None, None]  # [R, 1, 1, Q or 1, K]
+        visible = visible & (distance >= 0)
+    if sliding_window is not None:
+        visible = visible & (distance.abs() < sliding_window)
+    visible = visible[:, None, None]  # [R, 1, 1, Q, K]
 
     scores = scores.masked_fill(~visible, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(acc).min)
@@ -121,10 +123,12 @@ class TorchNativeBackend:
     # shapes fixed, which costs more than running attention outside the graph.
     graph_support = GraphSupport.UNIFORM_DECODE
 
-    def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window):
+    def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window,
+                write_kv=True):
         key_cache, value_cache = kv_cache
-        write_to_cache(key_cache, metadata.slot_mapping, key)
-        write_to_cache(value_cache, metadata.slot_mapping, value)
+        if write_kv:
+            write_to_cache(key_cache, metadata.slot_mapping, key)
+            write_to_cache(value_cache, metadata.slot_mapping, value)
         layout = _TokenLayout(query.shape[0], metadata, query.device)
         result = attend(
             layout.pad(query),
@@ -138,10 +142,12 @@ class TorchNativeBackend:
         )
         out.copy_(layout.unpad(result))
 
-    def forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale):
+    def forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale,
+                    write_kv=True):
         kv_c_cache, k_pe_cache = kv_cache
-        write_to_cache(kv_c_cache, metadata.slot_mapping, kv_c)
-        write_to_cache(k_pe_cache, metadata.slot_mapping, k_pe)
+        if write_kv:
+            write_to_cache(kv_c_cache, metadata.slot_mapping, kv_c)
+            write_to_cache(k_pe_cache, metadata.slot_mapping, k_pe)
         layout = _TokenLayout(q_latent.shape[0], metadata, q_latent.device)
         latent = _gather_blocks(kv_c_cache, metadata)  # [R, K, L]
         keys = torch.cat([latent, _gather_blocks(k_pe_cache, metadata).to(latent.dtype)], -1)
@@ -157,7 +163,7 @@ class TorchNativeBackend:
         )
         out.copy_(layout.unpad(result))
 
-    def forward_encoder(self, query, key, value, out, metadata, scale):
+    def forward_encoder(self, query, key, value, out, metadata, scale, sliding_window=None):
         layout = _TokenLayout(query.shape[0], metadata, query.device)
         result = attend(
             layout.pad(query),
@@ -167,5 +173,6 @@ class TorchNativeBackend:
             layout.query_lens,
             scale,
             causal=False,
+            sliding_window=sliding_window,
         )
         out.copy_(layout.unpad(result))

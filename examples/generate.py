@@ -139,7 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     summary = runner.capture()  # the first capture also compiles
     print(f"graph mode {runner.config.graph_mode.value}: compiled and captured "
-          f"{summary['graphs']} graphs in {time.perf_counter() - start:.1f} s")
+          f"{summary['graphs']} graphs in {time.perf_counter() - start:.1f} s; they hold "
+          f"{summary['bytes'] / 2**20:.1f} MiB")
 
     start = time.perf_counter()
     num_steps = generate(runner.execute, requests, free_blocks, args.block_size,

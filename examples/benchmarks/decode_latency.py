@@ -26,7 +26,6 @@ BLOCK_SIZE = 16
 
 
 def make_runner(args, mode: str) -> kvgraph.ModelRunner:
-    torch._dynamo.reset()
     model = Llama.from_preset(args.preset, device=args.device, dtype=getattr(torch, args.dtype))
     max_batch = max(args.batch_sizes)
     max_num_tokens = max(max_batch * PROMPT_LEN, 64)
@@ -100,6 +99,7 @@ def main() -> None:
             row[f"ms_b{batch}"] = 1000 * statistics.median(times[2:] or times)
         results.append(row)
         print(json.dumps(row))
+        del runner  # its graphs and their pool go with it, before the next mode's runner
 
     header = f"{'mode':<20}" + "".join(f"{'b=' + str(b) + ' ms':>12}" for b in args.batch_sizes)
     print(f"\n{args.preset} Llama, {args.dtype}, {args.device}, reference {args.modes[0]}")

@@ -31,6 +31,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False,
     },
+    # A 1B-class Llama shape (random weights): what GPU benchmarks measure.
+    "1b": {
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    },
 }
 
 

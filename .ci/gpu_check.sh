@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Everything GPU-only in one go, on a machine with a CUDA GPU and torch already installed
+# (nothing is downloaded). Logs and JSON go under $OUT (default ./gpu-check-out).
+#   bash .ci/gpu_check.sh
+# Each stage has its own timeout so one hang cannot eat the run; the whole stays under 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-check-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+
+stage() {  # stage NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember a failure
+  local name=$1 seconds=$2
+  shift 2
+  echo "=== $name (timeout ${seconds}s)"
+  timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: exit $rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+stage machine 30 bash -c 'date -u; nvidia-smi; python -c "
+import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"triton\", triton.__version__)
+print(torch.cuda.get_device_name())"; python -c "import transformers; print(\"transformers\", transformers.__version__)" || true'
+stage install 90 pip install --no-deps --no-build-isolation -e .
+stage pytest-cuda 180 python -m pytest -m cuda -q -p no:cacheprovider --timeout 120 \
+  --junitxml "$OUT/pytest-cuda.xml"
+stage decode-latency 200 python -m examples.benchmarks.decode_latency --device cuda \
+  --preset 1b --dtype bfloat16 --batch-sizes 1 8 64 --cache-dir "$OUT/kvgraph-cache" \
+  --json "$OUT/decode_latency.json"
+exit $status

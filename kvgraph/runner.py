@@ -49,8 +49,8 @@ class ModelRunner:
                  num_blocks: int, block_size: int, max_num_tokens: int, max_num_seqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                  max_model_len: int | None = None, attn_backend: str | None = None):
+        self.platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
         self.device = canonical_device(device)
-        self.platform = get_platform(self.device)
         self.attn_backend = attn_backend or self.platform.attention_backend
         backend = get_attention_backend(self.attn_backend, self.device)
         config = (config or CompilationConfig()).replace(max_num_tokens=max_num_tokens)

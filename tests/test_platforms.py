@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import kvgraph
 from kvgraph.errors import GraphError, PlatformError
 from kvgraph.platforms import get_platform
 
@@ -56,6 +57,16 @@ def test_unknown_device_and_missing_torch_npu_are_clear_errors():
         pytest.skip("torch_npu is installed here")
     with pytest.raises(PlatformError, match="needs torch_npu with the Ascend toolkit"):
         get_platform("npu:0")
+
+
+def test_a_runner_on_an_npu_without_torch_npu_is_a_clear_error():
+    if "torch_npu" in sys.modules:
+        pytest.skip("torch_npu is installed here")
+    from tests.scenario import make_model
+
+    with pytest.raises(PlatformError, match="needs torch_npu with the Ascend toolkit"):
+        kvgraph.ModelRunner(make_model("llama"), num_blocks=4, block_size=4, max_num_tokens=8,
+                            max_num_seqs=2, device="npu")
 
 
 def test_importing_kvgraph_does_not_import_torch_npu():

@@ -28,6 +28,7 @@ from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_a
 
 logger = logging.getLogger(__name__)
 
+
 def _example_values(gm: fx.GraphModule) -> list[Any]:
     return [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -88,7 +89,8 @@ class KVGraphBackend:
                  dump: DebugDump | None) -> Callable:
         config = self.config
         # Modes whose only graphs are full ones build the whole graph, attention included.
-        if config.graph_mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY) or not config.splitting_ops:
+        whole = config.graph_mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+        if whole or not config.splitting_ops:
             patches = dict(config.inductor_options)
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)

@@ -21,10 +21,9 @@ def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str,
     `can_split` is False when the config has no splitting ops, so no piecewise graphs exist.
     """
     piecewise = GraphMode.PIECEWISE if can_split else GraphMode.NONE
+    with_decode = GraphMode.FULL_AND_PIECEWISE if can_split else GraphMode.FULL_DECODE_ONLY
     downgrades = {
-        GraphSupport.UNIFORM_DECODE: {
-            GraphMode.FULL: GraphMode.FULL_AND_PIECEWISE if can_split else GraphMode.FULL_DECODE_ONLY,
-        },
+        GraphSupport.UNIFORM_DECODE: {GraphMode.FULL: with_decode},
         GraphSupport.NEVER: {
             GraphMode.FULL: piecewise,
             GraphMode.FULL_AND_PIECEWISE: piecewise,

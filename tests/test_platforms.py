@@ -32,7 +32,8 @@ def test_a_cpu_capture_returns_buffers_not_results_as_a_device_capture_does():
     assert torch.isnan(doubled).all(), "a capture's float outputs must not look like results"
     assert (as_int == torch.iinfo(torch.long).min).all()
     assert passed_through is x and x.tolist() == [1.0, 2.0], "an input passed through is kept"
-    assert graph.memory_bytes == doubled.untyped_storage().nbytes() + as_int.untyped_storage().nbytes()
+    held = doubled.untyped_storage().nbytes() + as_int.untyped_storage().nbytes()
+    assert graph.memory_bytes == held, "outputs the graph owns, not the input passed through"
     graph.replay((x,))
     assert doubled.tolist() == [2.0, 4.0] and as_int.tolist() == [3, 6]
     graph.reset()

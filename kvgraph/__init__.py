@@ -1,6 +1,6 @@
 """kvgraph: a torch.compile backend and graph runtime for LLM inference with paged KV caches."""
 
-from kvgraph import ops  # noqa: F401  (registers torch.ops.kvgraph.*)
+from kvgraph.attention import ops  # noqa: F401  (registers torch.ops.kvgraph.*)
 from kvgraph.attention.layer import Attention, MLAAttention
 from kvgraph.attention.metadata import (
     PADDING_SLOT,
@@ -9,12 +9,12 @@ from kvgraph.attention.metadata import (
     build_attention_metadata,
     build_model_inputs,
 )
-from kvgraph.backend import KVGraphBackend, kvgraph_backend
-from kvgraph.binding import bind_kv_cache
-from kvgraph.compile import CompiledModel, compile_model, mark_token_dims
+from kvgraph.compilation.backend import KVGraphBackend, kvgraph_backend
+from kvgraph.kv_cache.binding import bind_kv_cache
+from kvgraph.compilation.trace import CompiledModel, compile_model, mark_token_dims
 from kvgraph.config import CompilationConfig, GraphMode, add_cli_args
-from kvgraph.counters import CompileCounters, GraphCounters, compile_counters, graph_counters
-from kvgraph.dispatcher import Dispatcher, GraphSupport
+from kvgraph.compilation.counters import CompileCounters, GraphCounters, compile_counters, graph_counters
+from kvgraph.runtime.dispatcher import Dispatcher, GraphSupport
 from kvgraph.errors import BatchError, ForwardContextError, KVCacheError
 from kvgraph.forward_context import (
     BatchDescriptor,
@@ -22,9 +22,9 @@ from kvgraph.forward_context import (
     get_forward_context,
     set_forward_context,
 )
-from kvgraph.runner import ModelRunner
+from kvgraph.runtime.runner import ModelRunner
 from kvgraph.version import __version__
-from kvgraph.kv_cache import (
+from kvgraph.kv_cache.spec import (
     AttentionSpec,
     KVCacheSpec,
     MLASpec,

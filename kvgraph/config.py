@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from kvgraph.ops import ATTENTION_OPS
+from kvgraph.attention.op_names import ATTENTION_OPS
 from passes import REGISTERED_PASSES
 
 PIECE_COMPILERS = ("inductor", "eager")

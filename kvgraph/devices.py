@@ -15,7 +15,7 @@ def _current_index(device_type: str) -> int:
     if device_type == "cpu":
         return 0
     if device_type == "npu" and "torch_npu" not in sys.modules:
-        return 0  # never import torch_npu to compare devices (see kvgraph.platforms.npu)
+        return 0  # never import torch_npu to compare devices (see kvgraph.runtime.platforms.npu)
     module = getattr(torch, device_type, None)
     current = getattr(module, "current_device", None)
     return int(current()) if current is not None else 0

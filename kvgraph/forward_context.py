@@ -12,7 +12,7 @@ from kvgraph.errors import ForwardContextError
 if TYPE_CHECKING:
     from kvgraph.attention.metadata import AttentionMetadata
     from kvgraph.config import GraphMode
-    from kvgraph.graphs import GraphSet
+    from kvgraph.runtime.graphs import GraphSet
 
 
 @dataclass(frozen=True)

@@ -91,7 +91,7 @@ def test_kv_caches_are_graph_inputs_that_reach_the_op_directly():
         assert all(arg in placeholders for arg in cache_args), "a cache is not a graph input"
         sources = [placeholders[arg] for arg in cache_args]
         assert [s.endswith(f"attn_kv_cache_{i}_") for i, s in enumerate(sources)] == [True, True]
-        layer = kvgraph.binding.layer_index(name)
+        layer = kvgraph.kv_cache.binding.layer_index(name)
         assert all(f"layers_modules_{layer}_" in s for s in sources), (name, sources)
         assert all(arg.meta["example_value"].shape == t.shape for arg, t in zip(cache_args, cache))
     assert not [n for n in gm.graph.nodes if n.op == "get_attr"], "constants baked into the graph"
@@ -134,7 +134,7 @@ def test_static_token_dimension_is_warned_about(caplog):
     model = make_model("llama")
     bind_fresh_caches(model)
     compiled = torch.compile(model, backend=kvgraph.KVGraphBackend(EAGER_PIECES))
-    with caplog.at_level("WARNING", logger="kvgraph.backend"):
+    with caplog.at_level("WARNING", logger="kvgraph.compilation.backend"):
         run_schedule(compiled, model, [[(0, 3)]])
     assert "mark_token_dims" in caplog.text
 
@@ -151,7 +151,7 @@ def test_bad_options_name_the_valid_ones():
 
 def test_mode_reaches_the_config(monkeypatch):
     seen = []
-    monkeypatch.setattr(kvgraph.backend.KVGraphBackend, "__call__",
+    monkeypatch.setattr(kvgraph.compilation.backend.KVGraphBackend, "__call__",
                         lambda self, gm, inputs: seen.append(self.config) or gm)
     torch.compile(torch.nn.Linear(2, 2), backend="kvgraph", mode="max-autotune")(torch.ones(2, 2))
     assert seen[0].mode == "max-autotune" and seen[0].inductor_options == {"max_autotune": True}

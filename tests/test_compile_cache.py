@@ -14,7 +14,7 @@ from torch import fx
 
 import kvgraph
 import passes
-from kvgraph.cache import CompileCache, digest, graph_fingerprint, source_files_digest
+from kvgraph.compilation.cache import CompileCache, digest, graph_fingerprint, source_files_digest
 
 KEY = digest("test-key")
 
@@ -168,7 +168,7 @@ def test_damaged_artifact_is_discarded(tmp_path, counters, caplog, damage):
     path.write_bytes(damaged)
 
     loaded = []
-    with caplog.at_level(logging.WARNING, logger="kvgraph.cache"):
+    with caplog.at_level(logging.WARNING, logger="kvgraph.compilation.cache"):
         result = cache.load("piece", lambda p: loaded.append(read_bytes(p)) or read_bytes(p))
     assert result is None
     assert loaded == []  # the loader never saw the damaged payload
@@ -191,7 +191,7 @@ def test_failing_loader_is_treated_as_damage(tmp_path, counters, caplog):
         assert read_bytes(path) == b"from an older torch"
         raise ValueError("unsupported artifact version")
 
-    with caplog.at_level(logging.WARNING, logger="kvgraph.cache"):
+    with caplog.at_level(logging.WARNING, logger="kvgraph.compilation.cache"):
         assert cache.load("piece", loader) is None
     assert not cache.path("piece").exists()
     assert counters.cache_corrupt == 1

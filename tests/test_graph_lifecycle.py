@@ -38,7 +38,7 @@ def assert_same_generation(runner, expected):
 def test_execute_before_capture_runs_without_graphs_and_equals_eager(mode, caplog):
     expected = eager_generation()
     runner = make_runner("llama", mode)
-    with caplog.at_level(logging.INFO, logger="kvgraph.dispatcher"):
+    with caplog.at_level(logging.INFO, logger="kvgraph.runtime.dispatcher"):
         assert_same_generation(runner, expected)
     stats = runner.stats()
     assert stats["graphs"]["captures"] == 0 and kvgraph.graph_counters.captures == 0

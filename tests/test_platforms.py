@@ -8,7 +8,7 @@ import torch
 
 import kvgraph
 from kvgraph.errors import GraphError, PlatformError
-from kvgraph.platforms import get_platform
+from kvgraph.runtime.platforms import get_platform
 
 
 def test_cpu_graph_replays_into_the_buffers_it_captured():

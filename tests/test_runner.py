@@ -7,6 +7,7 @@ import torch
 
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
+from kvgraph.attention.backends.torch_native import TorchNativeBackend
 from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
@@ -70,14 +71,14 @@ def test_piecewise_and_full_graphs_with_inductor_pieces(compile_cache_dir):
 
 
 def test_full_mode_is_downgraded_with_a_warning_naming_mode_backend_and_reason(caplog):
-    with caplog.at_level(logging.WARNING, logger="kvgraph.dispatcher"):
+    with caplog.at_level(logging.WARNING, logger="kvgraph.runtime.dispatcher"):
         runner = make_runner("llama", "full")
     assert runner.config.graph_mode is GraphMode.FULL_AND_PIECEWISE
     assert "'full' downgraded to 'full_and_piecewise'" in caplog.text
     assert "'torch_native'" in caplog.text and "uniform-decode" in caplog.text
 
 
-class AlwaysCapturableBackend(kvgraph.attention.backends.TorchNativeBackend):
+class AlwaysCapturableBackend(TorchNativeBackend):
     """Torch-native math declared capture-safe for every batch: the runner then pads mixed
     batches to fixed shapes, which exercises the full-graph path for non-decode batches."""
 
@@ -171,3 +172,15 @@ def test_graph_inputs_that_move_are_caught_in_debug_mode():
     runner.buffers.input_ids = runner.buffers.input_ids.clone()  # a reallocated buffer
     with pytest.raises(kvgraph.errors.GraphError, match="not at the addresses"):
         runner.execute([kvgraph.RequestChunk([1, 2], 0, [0])])
+
+
+def test_an_attention_backend_on_a_device_it_does_not_run_on_is_a_clear_error():
+    class CUDAOnlyBackend(TorchNativeBackend):
+        name = "test_cuda_only"
+        device_types = ("cuda",)
+
+    kvgraph.attention.backends.register_attention_backend(CUDAOnlyBackend)
+    with pytest.raises(ValueError, match="'test_cuda_only' runs on cuda, not on cpu"):
+        make_runner("llama", "piecewise", attn_backend="test_cuda_only")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        make_runner("llama", "piecewise", attn_backend="nope")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvgraph import ops  # noqa: F401  (registers torch.ops.kvgraph.*)
+from kvgraph.attention import ops  # noqa: F401  (registers torch.ops.kvgraph.*)
 from kvgraph.errors import KVCacheError
-from kvgraph.kv_cache import AttentionLayerBase, AttentionSpec, KVCacheSpec, MLASpec
+from kvgraph.kv_cache.spec import AttentionLayerBase, AttentionSpec, KVCacheSpec, MLASpec
 
 ATTENTION_TYPES = ("decoder", "encoder_only")
 

@@ -1,13 +1,22 @@
-"""Attention backends by name, and the default one for a device."""
+"""Attention backends by name, loaded on first use, and the default one.
+
+A backend module is imported only when its backend is first asked for, so `import kvgraph`
+loads no kernels (and no device library) that the process never uses.
+"""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from kvgraph.attention.backends.base import AttentionBackend, GraphSupport
-from kvgraph.attention.backends.torch_native import TorchNativeBackend
 
-_BACKENDS: dict[str, type] = {TorchNativeBackend.name: TorchNativeBackend}
+DEFAULT_BACKEND = "torch_native"
+# name -> "module:class", imported on first use; register_attention_backend adds classes.
+_BACKENDS: dict[str, str | type] = {
+    "torch_native": "kvgraph.attention.backends.torch_native:TorchNativeBackend",
+}
 _instances: dict[str, AttentionBackend] = {}
 
 
@@ -17,20 +26,33 @@ def register_attention_backend(backend_class: type) -> None:
     _instances.pop(backend_class.name, None)
 
 
+def _load(name: str) -> AttentionBackend:
+    backend_class = _BACKENDS[name]
+    if isinstance(backend_class, str):
+        module, _, attribute = backend_class.partition(":")
+        backend_class = getattr(importlib.import_module(module), attribute)
+    return backend_class()
+
+
 def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
-    """The backend called `name`, or the default for `device` when `name` is None."""
-    name = name or TorchNativeBackend.name
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
-    if name not in _instances:
-        _instances[name] = _BACKENDS[name]()
-    return _instances[name]
+    """The backend called `name` (None: the default), checked to run on `device`'s type."""
+    name = name or DEFAULT_BACKEND
+    backend = _instances.get(name)
+    if backend is None:
+        if name not in _BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
+        backend = _instances[name] = _load(name)
+    device_types = backend.device_types
+    if device_types is not None and device.type not in device_types:
+        raise ValueError(f"attention backend {name!r} runs on {', '.join(device_types)}, not on "
+                         f"{device.type}")
+    return backend
 
 
 __all__ = [
     "AttentionBackend",
+    "DEFAULT_BACKEND",
     "GraphSupport",
-    "TorchNativeBackend",
     "get_attention_backend",
     "register_attention_backend",
 ]

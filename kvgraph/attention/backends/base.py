@@ -28,6 +28,7 @@ class AttentionBackend(Protocol):
 
     name: str
     graph_support: GraphSupport
+    device_types: tuple[str, ...] | None  # the device types it runs on; None: any
 
     def forward(
         self,

@@ -119,6 +119,7 @@ class TorchNativeBackend:
     """The portable reference backend (see the module docstring)."""
 
     name = "torch_native"
+    device_types = None  # plain torch: any device
     # Mixed batches would need metadata padded to max_num_seqs x max_num_tokens queries to keep
     # shapes fixed, which costs more than running attention outside the graph.
     graph_support = GraphSupport.UNIFORM_DECODE

@@ -12,12 +12,6 @@ from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.metadata import AttentionMetadata
 from kvgraph.forward_context import get_forward_context
 
-# Every op a graph must be split at; passes match these names (packet and overloads).
-ATTENTION_OPS = (
-    "kvgraph::unified_attention",
-    "kvgraph::unified_mla_attention",
-    "kvgraph::encoder_attention",
-)
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgraph.errors import PlatformError
-from kvgraph.platforms.base import StreamPlatform
+from kvgraph.runtime.platforms.base import StreamPlatform
 
 
 def import_torch_npu() -> Any:

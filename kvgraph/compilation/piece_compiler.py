@@ -8,9 +8,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 from torch import fx
 
-from kvgraph.cache import CompileCache
-from kvgraph.counters import compile_counters
-from kvgraph.piecewise import token_symbols
+from kvgraph.compilation.cache import CompileCache
+from kvgraph.compilation.counters import compile_counters
+from kvgraph.compilation.piecewise import token_symbols
 
 logger = logging.getLogger(__name__)
 

@@ -19,17 +19,17 @@ from torch import nn
 
 from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.metadata import RequestChunk
-from kvgraph.binding import bind_kv_cache
-from kvgraph.compile import compile_model
+from kvgraph.kv_cache.binding import bind_kv_cache
+from kvgraph.compilation.trace import compile_model
 from kvgraph.config import CompilationConfig, GraphMode
-from kvgraph.counters import compile_counters
+from kvgraph.compilation.counters import compile_counters
 from kvgraph.devices import canonical_device
-from kvgraph.dispatcher import Dispatcher, resolve_graph_mode
+from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
-from kvgraph.graphs import GraphSet
-from kvgraph.input_buffers import InputBuffers, StepShape
-from kvgraph.kv_cache import allocate_kv_caches, attention_layers, kv_cache_specs
-from kvgraph.platforms import get_platform
+from kvgraph.runtime.graphs import GraphSet
+from kvgraph.runtime.step import InputBuffers, StepShape
+from kvgraph.kv_cache.spec import allocate_kv_caches, attention_layers, kv_cache_specs
+from kvgraph.runtime.platforms import get_platform
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from kvgraph.devices import same_device
 from kvgraph.errors import KVCacheError
-from kvgraph.kv_cache import AttentionLayerBase, KVCache
+from kvgraph.kv_cache.spec import AttentionLayerBase, KVCache
 
 
 def layer_index(layer_name: str) -> int:

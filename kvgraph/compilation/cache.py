@@ -21,7 +21,7 @@ import sympy
 import torch
 from torch import fx
 
-from kvgraph.counters import compile_counters
+from kvgraph.compilation.counters import compile_counters
 
 logger = logging.getLogger(__name__)
 

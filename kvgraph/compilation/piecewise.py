@@ -9,7 +9,7 @@ import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kvgraph.counters import compile_counters
+from kvgraph.compilation.counters import compile_counters
 
 
 def token_symbols(example_values: Sequence[Any]) -> set[sympy.Symbol]:

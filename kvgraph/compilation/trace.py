@@ -8,7 +8,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kvgraph.backend import KVGraphBackend
+from kvgraph.compilation.backend import KVGraphBackend
 from kvgraph.config import CompilationConfig
 
 

@@ -1,10 +1,9 @@
-"""Capture and replay of compiled callables as device graphs, one per BatchDescriptor.
+"""One runner's device graphs: capture and replay per GraphWrapper and BatchDescriptor.
 
-`GraphWrapper`s sit inside the compiled model (one around each piece, one around the whole
-forward); the graphs themselves belong to a `GraphSet`, one per runner, which the step's forward
-context names. Dropping the set frees its graphs and its memory pool, whatever still refers to
-the compiled model (Dynamo's caches do). A wrapper acts only when the step's runtime mode is its
-own, so piecewise wrappers and the full wrapper nest without capturing twice.
+`GraphWrapper`s (kvgraph.compilation.graph_wrapper) sit inside the compiled model; the graphs
+themselves belong to a `GraphSet`, one per runner, which the step's forward context names.
+Dropping the set frees its graphs and its memory pool, whatever still refers to the compiled
+model (Dynamo's caches do).
 
 Graphs are captured only inside the set's capture phase: on CUDA and NPU a capture records
 kernels without running them, so a step captured on live data would return unwritten outputs
@@ -20,12 +19,13 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
+from kvgraph.compilation.counters import graph_counters
+from kvgraph.compilation.graph_wrapper import GraphWrapper
 from kvgraph.config import GraphMode
-from kvgraph.counters import graph_counters
-from kvgraph.forward_context import BatchDescriptor, current_forward_context
-from kvgraph.platforms import DeviceGraph, Platform
+from kvgraph.forward_context import BatchDescriptor
+from kvgraph.runtime.platforms import DeviceGraph, Platform
 
 logger = logging.getLogger(__name__)
 
@@ -46,24 +46,6 @@ def gc_paused() -> Iterator[None]:
 def graph_key(mode: GraphMode, descriptor: BatchDescriptor) -> str:
     """How stats and logs name the graphs of one descriptor in one runtime mode."""
     return f"{mode.value}:{descriptor}"
-
-
-class GraphWrapper:
-    """`runnable`, replayed from the step's GraphSet when the step runs in `runtime_mode`."""
-
-    def __init__(self, runnable: Callable, runtime_mode: GraphMode, name: str):
-        assert runtime_mode in (GraphMode.PIECEWISE, GraphMode.FULL), runtime_mode
-        self.runnable = runnable
-        self.runtime_mode = runtime_mode
-        self.name = name
-
-    def __call__(self, *args: Any) -> Any:
-        context = current_forward_context()
-        if (context is None or context.graphs is None
-                or context.runtime_mode is not self.runtime_mode
-                or context.batch_descriptor is None):
-            return self.runnable(*args)
-        return context.graphs.run(self, context.batch_descriptor, args)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvgraph.errors import PlatformError
-from kvgraph.platforms.base import DeviceGraph, Platform
+from kvgraph.runtime.platforms.base import DeviceGraph, Platform
 
 _platforms: dict[str, Platform] = {}
 
@@ -16,11 +16,11 @@ def get_platform(device: torch.device | str) -> Platform:
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     if device_type not in _platforms:
         if device_type == "cpu":
-            from kvgraph.platforms.cpu import CPUPlatform as make_platform
+            from kvgraph.runtime.platforms.cpu import CPUPlatform as make_platform
         elif device_type == "cuda":
-            from kvgraph.platforms.cuda import cuda_platform as make_platform
+            from kvgraph.runtime.platforms.cuda import cuda_platform as make_platform
         elif device_type == "npu":
-            from kvgraph.platforms.npu import npu_platform as make_platform
+            from kvgraph.runtime.platforms.npu import npu_platform as make_platform
         else:
             raise PlatformError(f"no kvgraph platform for device {device!r}; have cpu, cuda, npu")
         _platforms[device_type] = make_platform()

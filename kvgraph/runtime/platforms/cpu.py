@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvgraph.platforms.base import check_addresses, input_addresses, tensors_in
+from kvgraph.runtime.platforms.base import check_addresses, input_addresses, tensors_in
 
 
 def owned_outputs(outputs: Any, inputs: Sequence[Any]) -> list[torch.Tensor]:

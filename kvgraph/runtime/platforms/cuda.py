@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgraph.platforms.base import StreamPlatform
+from kvgraph.runtime.platforms.base import StreamPlatform
 
 
 def cuda_platform() -> StreamPlatform:

@@ -1,0 +1,1 @@
+"""Model-facing KV caches: specs, allocation, and binding each layer to its cache tuple."""

@@ -1,0 +1,1 @@
+"""The graph runtime: ModelRunner, step plans, dispatch, graph capture, and platforms."""

@@ -20,7 +20,9 @@ from passes import REGISTERED_PASSES
 
 PIECE_COMPILERS = ("inductor", "eager")
 PASSES = tuple(REGISTERED_PASSES)
-TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# torch.compile's modes kvgraph accepts; "reduce-overhead" (graphs on) is refused: kvgraph's
+# graphs are chosen by graph_mode, and inductor must never add graphs of its own.
+TORCH_COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
 ENV_PREFIX = "KVGRAPH_"
 # DESIGN.md names the dump variable without the `_PATH` suffix.
 ENV_ALIASES = {"debug_dump_path": "KVGRAPH_DEBUG_DUMP"}
@@ -105,6 +107,11 @@ class CompilationConfig:
         if self.max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
         _check_choice("piece_compiler", self.piece_compiler, PIECE_COMPILERS)
+        if self.mode == "reduce-overhead":
+            raise ValueError(
+                "mode='reduce-overhead' (torch.compile's graphs) is not a kvgraph mode: kvgraph "
+                "captures graphs itself, as graph_mode says (piecewise by default; "
+                "full_and_piecewise for full decode graphs)")
         _check_choice("mode", self.mode, TORCH_COMPILE_MODES)
         for name in self.passes:
             _check_choice("passes", name, PASSES)

@@ -10,6 +10,7 @@ import torch
 
 from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.metadata import AttentionMetadata
+from kvgraph.errors import BatchError, ForwardContextError
 from kvgraph.forward_context import get_forward_context
 
 
@@ -17,6 +18,14 @@ from kvgraph.forward_context import get_forward_context
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")
+
+
+def _check_heads(num_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"query has {num_heads} heads and key {num_kv_heads}: expected num_heads to be a "
+            f"multiple of num_kv_heads"
+        )
 
 
 def _check_cache(kv_cache: list[torch.Tensor], block_shapes: tuple[tuple[int, ...], ...],
@@ -43,9 +52,11 @@ def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None]:
     context = get_forward_context()
     metadata = context.attn_metadata
     if metadata is None:
-        raise ValueError("the forward context has no attn_metadata; attention needs one")
+        raise ForwardContextError(
+            "the forward context has no attn_metadata; attention needs one (build it with "
+            "kvgraph.build_attention_metadata)")
     if metadata.slot_mapping.shape[0] != num_tokens:
-        raise ValueError(
+        raise BatchError(
             f"the batch has {num_tokens} tokens but its slot_mapping has "
             f"{metadata.slot_mapping.shape[0]}; metadata and inputs must describe the same batch"
         )
@@ -70,11 +81,7 @@ def unified_attention(
     """
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"query has {num_heads} heads and key {num_kv_heads}: expected num_heads to be a "
-            f"multiple of num_kv_heads"
-        )
+    _check_heads(num_heads, num_kv_heads)
     _check_shape("key", key, (num_tokens, num_kv_heads, head_size))
     _check_shape("value", value, (num_tokens, num_kv_heads, head_size))
     _check_shape("out", out, (num_tokens, num_heads, head_size))
@@ -134,6 +141,7 @@ def encoder_attention(
     With `sliding_window` w > 0, token i sees token j of its request only when |i - j| < w.
     """
     num_tokens, num_heads, head_size = query.shape
+    _check_heads(num_heads, key.shape[1])
     _check_shape("key", key, (num_tokens, key.shape[1], head_size))
     _check_shape("value", value, tuple(key.shape))
     _check_shape("out", out, (num_tokens, num_heads, head_size))

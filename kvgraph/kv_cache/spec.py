@@ -48,10 +48,6 @@ class KVCacheSpec:
         element_size = torch.empty((), dtype=self.dtype).element_size()
         return sum(math.prod(shape) for shape in self.block_shapes()) * element_size
 
-    def num_blocks_for(self, memory_bytes: int) -> int:
-        """How many blocks fit in `memory_bytes` for this layer alone."""
-        return memory_bytes // self.bytes_per_block
-
     def allocate(self, num_blocks: int, device: torch.device | str) -> KVCache:
         """One separate, zeroed allocation per tensor of the tuple."""
         return tuple(

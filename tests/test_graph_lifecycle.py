@@ -13,6 +13,7 @@ import torch
 
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
+from kvgraph.attention.metadata import host_batch
 from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
 from tests.test_runner import TOLERANCE, assert_matches_eager, make_runner
 
@@ -56,10 +57,9 @@ def test_graph_wrappers_outside_the_capture_phase_run_without_capturing(mode):
     expected = make_runner("llama", "eager").execute(chunks)
     runner = make_runner("llama", "full" if mode == "full" else "piecewise",
                          attn_backend="test_always")
-    descriptor = kvgraph.BatchDescriptor(4)
-    runtime_mode = GraphMode(mode)
-    hidden = runner._run(chunks, runtime_mode, descriptor, runner._shape(chunks, runtime_mode,
-                                                                          descriptor))
+    batch = host_batch(chunks, BLOCK_SIZE)
+    hidden = runner._run(runner.dispatcher.plan_for(batch, GraphMode(mode),
+                                                    kvgraph.BatchDescriptor(4)))
     logits = runner.model.compute_logits(hidden[torch.tensor([2, 3])])
     torch.testing.assert_close(logits, expected, **TOLERANCE)
     assert not runner.graphs.entries

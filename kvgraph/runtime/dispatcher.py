@@ -1,4 +1,4 @@
-"""Choosing each step's graph: capture sizes, padding, and the descriptor per graph mode."""
+"""Planning each step: its host batch, its graph (capture sizes, padding, descriptor), its shape."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import bisect
 import collections
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from kvgraph.attention.backends.base import GraphSupport
+from kvgraph.attention.metadata import HostBatch, RequestChunk, host_batch
 from kvgraph.config import GraphMode
 from kvgraph.forward_context import BatchDescriptor
+from kvgraph.runtime.step import StepLimits, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +56,18 @@ class DispatchStats:
 
 
 class Dispatcher:
-    """Maps a batch to `(runtime_mode, BatchDescriptor)` for one resolved graph mode.
+    """Plans each step for one resolved graph mode: `(runtime_mode, BatchDescriptor)` and shape.
 
     Full-graph keys for uniform decode carry `num_reqs` (attention metadata shapes depend on
     it) and exist only up to `max_num_seqs`; piecewise keys carry only `num_tokens`. A key is
     dispatched to its graphs only once it is in `captured`; before, its batches run without.
     """
 
-    def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], max_num_seqs: int):
+    def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], limits: StepLimits):
         self.graph_mode = graph_mode
+        self.limits = limits
         self.capture_sizes = tuple(sorted(capture_sizes))
-        self.decode_sizes = tuple(s for s in self.capture_sizes if s <= max_num_seqs)
+        self.decode_sizes = tuple(s for s in self.capture_sizes if s <= limits.max_num_seqs)
         self.stats = DispatchStats()
         self.captured: set[tuple[GraphMode, BatchDescriptor]] = set()
         self._warned_fallback = self._warned_uncaptured = False
@@ -72,6 +76,24 @@ class Dispatcher:
     def _padded(sizes: tuple[int, ...], n: int) -> int | None:
         i = bisect.bisect_left(sizes, n)
         return sizes[i] if i < len(sizes) else None
+
+    def plan(self, chunks: Sequence[RequestChunk]) -> StepPlan:
+        """Validate, lay out and dispatch one step; a BatchError names any limit it exceeds."""
+        batch = host_batch(chunks, self.limits.block_size)
+        self.limits.check(batch)
+        mode, descriptor = self.dispatch(batch.num_tokens, batch.num_reqs, batch.uniform_decode)
+        return self.plan_for(batch, mode, descriptor)
+
+    def plan_for(self, batch: HostBatch, mode: GraphMode, descriptor: BatchDescriptor,
+                 writes_cache: bool = True) -> StepPlan:
+        """The plan of `batch` run as `descriptor` in `mode` (capture chooses its own)."""
+        if mode is not GraphMode.FULL:
+            shape = (batch.num_reqs, batch.max_query_len, batch.max_seq_len)
+        elif descriptor.uniform_decode:  # a full graph freezes attention's shapes: the largest
+            shape = (descriptor.num_reqs, 1, self.limits.max_model_len)
+        else:
+            shape = (self.limits.max_num_seqs, descriptor.num_tokens, self.limits.max_model_len)
+        return StepPlan(batch, mode, descriptor, *shape, writes_cache=writes_cache)
 
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool
                  ) -> tuple[GraphMode, BatchDescriptor]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvgraph.attention.backends import get_attention_backend
-from kvgraph.attention.metadata import RequestChunk
+from kvgraph.attention.metadata import RequestChunk, host_batch
 from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.compilation.trace import compile_model
 from kvgraph.config import CompilationConfig, GraphMode
@@ -27,7 +27,7 @@ from kvgraph.devices import canonical_device
 from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.runtime.graphs import GraphSet
-from kvgraph.runtime.step import InputBuffers, StepShape
+from kvgraph.runtime.step import InputBuffers, StepLimits, StepPlan
 from kvgraph.kv_cache.spec import allocate_kv_caches, attention_layers, kv_cache_specs
 from kvgraph.runtime.platforms import get_platform
 
@@ -62,10 +62,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(specs, num_blocks, self.device)
         bind_kv_cache(attention_layers(model), self.kv_caches, device=self.device, dtype=dtype)
         self.max_model_len = max_model_len or num_blocks * block_size
-        self.buffers = InputBuffers(max_num_tokens, max_num_seqs, self.max_model_len,
-                                    block_size, num_blocks, self.device)
-        self.dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list,
-                                     max_num_seqs)
+        limits = StepLimits(max_num_tokens, max_num_seqs, self.max_model_len, num_blocks,
+                            block_size)
+        self.buffers = InputBuffers(limits, self.device)
+        self.dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list, limits)
         eager = self.config.graph_mode is GraphMode.EAGER
         self.forward = model if eager else compile_model(model, self.config)
         self.graphs = GraphSet(self.platform, self.config.check_graph_inputs)
@@ -76,32 +76,15 @@ class ModelRunner:
 
         The logits are a fresh tensor: the next step's replay does not overwrite them.
         """
-        self.buffers.check(chunks)
-        num_tokens = sum(c.num_new_tokens for c in chunks)
-        uniform_decode = num_tokens == len(chunks)
-        mode, descriptor = self.dispatcher.dispatch(num_tokens, len(chunks), uniform_decode)
-        hidden = self._run(chunks, mode, descriptor, self._shape(chunks, mode, descriptor))
-        starts = self.buffers.query_start_loc[1:len(chunks) + 1]
-        return self.model.compute_logits(hidden[starts.long() - 1])
+        plan = self.dispatcher.plan(chunks)
+        hidden = self._run(plan)
+        last = self.buffers.query_start_loc[1:plan.batch.num_reqs + 1].long() - 1
+        return self.model.compute_logits(hidden[last])
 
-    def _shape(self, chunks: Sequence[RequestChunk], mode: GraphMode,
-               descriptor: BatchDescriptor) -> StepShape:
-        if mode is not GraphMode.FULL:
-            return StepShape(descriptor.num_tokens, len(chunks),
-                             max(c.num_new_tokens for c in chunks), max(c.seq_len for c in chunks))
-        # A full graph freezes attention's shapes: pad them to what every replay can fit.
-        if descriptor.uniform_decode:
-            return StepShape(descriptor.num_tokens, descriptor.num_reqs, 1, self.max_model_len)
-        return StepShape(descriptor.num_tokens, self.buffers.max_num_seqs, descriptor.num_tokens,
-                         self.max_model_len)
-
-    def _run(self, chunks: Sequence[RequestChunk], mode: GraphMode, descriptor: BatchDescriptor,
-             shape: StepShape, write_cache: bool = True) -> torch.Tensor:
-        input_ids, positions, metadata = self.buffers.fill(chunks, shape)
-        if not write_cache:  # dummy batches must leave every cache slot as it was
-            metadata.slot_mapping.fill_(-1)
-        with torch.no_grad(), set_forward_context(metadata, descriptor, self.attn_backend, mode,
-                                                  self.graphs):
+    def _run(self, plan: StepPlan) -> torch.Tensor:
+        input_ids, positions, metadata = self.buffers.fill(plan)
+        with torch.no_grad(), set_forward_context(metadata, plan.descriptor, self.attn_backend,
+                                                  plan.runtime_mode, self.graphs):
             self.hidden_states = self.forward(input_ids, positions)
         return self.hidden_states
 
@@ -134,12 +117,13 @@ class ModelRunner:
         return summary
 
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
-        # A dummy batch of one-token requests shaped like the descriptor's real batches.
-        chunks = [RequestChunk([0], 0, [0])] * (descriptor.num_reqs or 1)
-        shape = self._shape(chunks, mode, descriptor)
+        # A dummy batch of one-token requests shaped like the descriptor's real batches; it
+        # writes nothing to the cache.
+        batch = host_batch([RequestChunk([0], 0, [0])] * (descriptor.num_reqs or 1),
+                           self.buffers.block_size)
         if self.platform.needs_warmup:  # first runs initialise kernels that capture cannot
-            self._run(chunks, GraphMode.NONE, descriptor, shape, write_cache=False)
-        self._run(chunks, mode, descriptor, shape, write_cache=False)
+            self._run(self.dispatcher.plan_for(batch, GraphMode.NONE, descriptor, False))
+        self._run(self.dispatcher.plan_for(batch, mode, descriptor, False))
 
     def stats(self) -> dict[str, Any]:
         """This runner's dispatch counts and graphs (memory included); process-wide compile

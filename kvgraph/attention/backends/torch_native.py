@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvgraph.attention.backends.base import GraphSupport
-from kvgraph.attention.metadata import AttentionMetadata
+from kvgraph.attention.metadata import AttentionMetadata, cdiv
 
 
 def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -39,7 +39,7 @@ def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
 
 def _gather_blocks(cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
     """Each request's cached rows, `[num_reqs, blocks_read * block_size, ...]`."""
-    blocks_read = min(-(-metadata.max_seq_len // metadata.block_size), metadata.block_table.shape[1])
+    blocks_read = min(cdiv(metadata.max_seq_len, metadata.block_size), metadata.block_table.shape[1])
     block_ids = metadata.block_table[:, :blocks_read].long()
     rows = cache[block_ids]  # [num_reqs, blocks_read, block_size, ...]
     return rows.flatten(1, 2)

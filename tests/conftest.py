@@ -1,7 +1,12 @@
-"""Shared test setup: the `cuda` marker skips without a GPU."""
+"""Shared test setup: the `cuda` marker skips without a GPU; the compile cache dir and fresh
+Dynamo state fixtures. Shared helpers (models, schedules, `dynamo_capture`) are in
+tests/scenario.py, the attention references in tests/attention_reference.py."""
 
 import pytest
 import torch
+
+# Helper modules' asserts get pytest's detailed messages, as a test module's do.
+pytest.register_assert_rewrite("tests.attention_reference", "tests.scenario")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,13 +31,18 @@ def inductor_config(compile_cache_dir):
     return CompilationConfig(piece_compiler="inductor", compile_sizes=(4,), cache_dir=compile_cache_dir)
 
 
-@pytest.fixture
-def fresh_compile_state():
-    """Dynamo's caches and kvgraph's counters cleared before and after the test."""
-    import kvgraph
+def _reset_compile_state() -> None:
+    from kvgraph.compilation.counters import compile_counters, graph_counters
 
     torch._dynamo.reset()
-    kvgraph.compile_counters.reset()
-    kvgraph.graph_counters.reset()
+    compile_counters.reset()
+    graph_counters.reset()
+
+
+@pytest.fixture
+def fresh_compile_state():
+    """Dynamo's caches and kvgraph's counters cleared before and after the test: the one
+    fixture for tests that trace or count (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    _reset_compile_state()
     yield
-    torch._dynamo.reset()
+    _reset_compile_state()

@@ -141,3 +141,39 @@ def generate(runner, vocab_size: int, plan=GENERATION, seed: int = 0):
             if requests[req].num_computed == len(requests[req].token_ids):
                 sampled[req].append(int(row.argmax()))
     return step_logits, sampled
+
+
+# The one helper that captures what Dynamo hands a backend (tests of passes, fingerprints and
+# the backend's inputs inspect it); tests that need fresh Dynamo state use the
+# `fresh_compile_state` fixture (tests/conftest.py).
+
+
+@dataclass
+class DynamoCapture:
+    """The FX graph Dynamo traced, and the arguments Dynamo called it with on the first call."""
+
+    gm: torch.fx.GraphModule
+    args: tuple
+
+
+def dynamo_capture(fn: Callable, *args, unbacked=(), **kwargs) -> DynamoCapture:
+    """Trace `fn(*args, **kwargs)` once with Dynamo (fullgraph) and run the traced graph as is.
+
+    `unbacked`: tensors whose dim 0 is marked unbacked (dynamic, 0 and 1 included) first.
+    """
+    graphs, calls = [], []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+
+        def run(*graph_args):
+            calls.append(graph_args)
+            return gm.forward(*graph_args)
+
+        return run
+
+    for tensor in unbacked:
+        torch._dynamo.decorators.mark_unbacked(tensor, 0)
+    torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
+    assert len(graphs) == 1 and len(calls) == 1, (len(graphs), len(calls))
+    return DynamoCapture(graphs[0], calls[0])

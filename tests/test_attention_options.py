@@ -14,7 +14,7 @@ import torch
 
 import kvgraph
 from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
-from tests.test_ops import (
+from tests.attention_reference import (
     D, H, HKV, LORA, ROPE, assert_close, attention_batch, block_and_offset, check_caches,
     make_chunks, mla_batch, rand, ref_attention, request_shapes,
 )

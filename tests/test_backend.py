@@ -1,15 +1,22 @@
 """The kvgraph torch.compile backend: eager parity, one trace, caches as graph inputs, registration."""
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 import kvgraph
-from kvgraph import CompilationConfig
-from tests.scenario import bind_fresh_caches, make_model, run_schedule
+from kvgraph import CompilationConfig, GraphMode
+from kvgraph.compilation.backend import KVGraphBackend
+from kvgraph.compilation.counters import compile_counters
+from kvgraph.forward_context import get_forward_context
+from kvgraph.runtime.graphs import GraphSet
+from kvgraph.runtime.platforms import get_platform
+from tests.scenario import SCHEDULE, bind_fresh_caches, dynamo_capture, make_model, run_schedule
 
 EAGER_PIECES = CompilationConfig(piece_compiler="eager", compile_sizes=(1, 4))
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
@@ -18,46 +25,110 @@ TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
-class CapturingBackend(kvgraph.KVGraphBackend):
-    """The real backend, keeping the Dynamo graph it was given for inspection."""
+def assert_same_run(kind, config, wrap=None, schedule=SCHEDULE, **tolerance):
+    """Eager and compiled runs of the schedule: same logits, same cache contents.
 
-    graphs: list
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.graphs = getattr(self, "graphs", []) + [gm]
-        return super().__call__(gm, example_inputs, **kwargs)
-
-
-def assert_same_run(kind, config, **tolerance):
-    """Eager and compiled runs of the schedule: same logits, same cache contents."""
+    `wrap(compiled)` is the forward the compiled run goes through (default: `compiled`).
+    """
     eager_model, graph_model = make_model(kind), make_model(kind)
     eager_caches, graph_caches = bind_fresh_caches(eager_model), bind_fresh_caches(graph_model)
-    expected = run_schedule(eager_model, eager_model)
+    expected = run_schedule(eager_model, eager_model, schedule)
     compiled = kvgraph.compile_model(graph_model, config)
-    got = run_schedule(compiled, graph_model)
+    got = run_schedule(wrap(compiled) if wrap else compiled, graph_model, schedule)
     for step, (a, b) in enumerate(zip(expected, got)):
         torch.testing.assert_close(b, a, **(tolerance or TOLERANCE), msg=f"step {step}")
     for name in eager_caches:
         for a, b in zip(eager_caches[name], graph_caches[name]):
             torch.testing.assert_close(b, a, **(tolerance or TOLERANCE), msg=name)
+    return graph_model
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
 def test_compiled_matches_eager_with_eager_pieces(kind):
     assert_same_run(kind, EAGER_PIECES)
-    assert kvgraph.compile_counters.dynamo_graphs == 1
+    assert compile_counters.dynamo_graphs == 1
 
 
-@pytest.mark.parametrize("graph_mode", ["full", "none", "full_and_piecewise"])
-def test_every_graph_mode_compiles_to_the_same_result(graph_mode):
-    assert_same_run("llama", EAGER_PIECES.replace(graph_mode=graph_mode))
+def step_runtime_mode(graph_mode: GraphMode, uniform_decode: bool) -> GraphMode:
+    """What a runner runs a step as: full graphs (all steps in `full`, uniform decode in the
+    other modes with full graphs), else piecewise graphs where the mode has them, else none."""
+    if graph_mode is GraphMode.FULL or (graph_mode.has_full_graphs and uniform_decode):
+        return GraphMode.FULL
+    return GraphMode.PIECEWISE if graph_mode.has_piecewise_graphs else GraphMode.NONE
+
+
+class GraphSteps:
+    """A forward that runs each step through the compiled model's graphs, as a runner would:
+    the first step of each (runtime mode, descriptor) inside the GraphSet's capture phase (a
+    capture's outputs are poisoned, not results), then every step replayed outside it."""
+
+    def __init__(self, compiled, graph_mode: GraphMode):
+        self.compiled, self.graph_mode = compiled, graph_mode
+        self.graphs = GraphSet(get_platform("cpu"))
+        self.keys: set = set()  # (runtime mode, descriptor) captured so far
+        self.modes: list[GraphMode] = []  # each step's runtime mode
+
+    def __call__(self, input_ids, positions):
+        metadata = get_forward_context().attn_metadata
+        uniform_decode = metadata.max_query_len == 1
+        mode = step_runtime_mode(self.graph_mode, uniform_decode)
+        num_reqs = metadata.query_start_loc.shape[0] - 1 if mode is GraphMode.FULL else None
+        descriptor = kvgraph.BatchDescriptor(input_ids.shape[0], num_reqs, uniform_decode)
+        self.modes.append(mode)
+        with kvgraph.set_forward_context(metadata, descriptor, runtime_mode=mode,
+                                         graphs=self.graphs):
+            if mode is not GraphMode.NONE and (mode, descriptor) not in self.keys:
+                self.keys.add((mode, descriptor))
+                with self.graphs.capture_phase():
+                    captured = self.compiled(input_ids, positions)
+                poisoned = bool(torch.isnan(captured).all())
+                assert poisoned, f"{mode} {descriptor} was not captured"
+            return self.compiled(input_ids, positions)
+
+
+# SCHEDULE, then steps of other requests with the shapes of earlier ones (13 tokens in two
+# requests, 2 and 1 decode tokens): graphs captured on one step replay another's data.
+REPLAY_SCHEDULE = SCHEDULE + [[(2, 6), (3, 7)], [(1, 1), (3, 1)], [(0, 1)]]
+
+
+@pytest.mark.parametrize("graph_mode", list(GraphMode))
+def test_every_graph_mode_captures_replays_and_matches_eager(graph_mode):
+    """Each mode's graphs, captured and replayed through a GraphSet: the run equals eager, and
+    exactly the graphs the mode has were captured (one per wrapper and descriptor) and replayed
+    (once per wrapper and step)."""
+    runs = []
+
+    def wrap(compiled):
+        runs.append(GraphSteps(compiled, graph_mode))
+        return runs[0]
+
+    model = assert_same_run("llama", EAGER_PIECES.replace(graph_mode=graph_mode), wrap=wrap,
+                            schedule=REPLAY_SCHEDULE)
+    (run,) = runs
+    wrappers = {GraphMode.NONE: 0, GraphMode.FULL: 1,
+                GraphMode.PIECEWISE: len(model.model.layers) + 1}  # one per compute piece
+    expected_modes = {
+        GraphMode.EAGER: {GraphMode.NONE}, GraphMode.NONE: {GraphMode.NONE},
+        GraphMode.PIECEWISE: {GraphMode.PIECEWISE}, GraphMode.FULL: {GraphMode.FULL},
+        GraphMode.FULL_DECODE_ONLY: {GraphMode.FULL, GraphMode.NONE},
+        GraphMode.FULL_AND_PIECEWISE: {GraphMode.FULL, GraphMode.PIECEWISE},
+    }[graph_mode]
+    assert len(run.modes) == len(REPLAY_SCHEDULE)
+    assert set(run.modes) == expected_modes  # the schedule has decode and non-decode steps
+    snapshot = run.graphs.snapshot()
+    assert snapshot["captures"] == sum(wrappers[mode] for mode, _ in run.keys)
+    assert snapshot["replays"] == sum(wrappers[mode] for mode in run.modes)
+    if graph_mode.has_full_graphs or graph_mode.has_piecewise_graphs:
+        assert snapshot["captures"] > 0 and snapshot["replays"] > snapshot["captures"]
+    else:
+        assert snapshot["captures"] == snapshot["replays"] == 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
 def test_compiled_matches_eager_with_inductor(kind, inductor_config):
     assert_same_run(kind, inductor_config, atol=1e-4, rtol=1e-4)
-    assert kvgraph.compile_counters.builds + kvgraph.compile_counters.cache_hits > 0
+    assert compile_counters.builds + compile_counters.cache_hits > 0
 
 
 def test_one_trace_serves_every_size_from_one_up():
@@ -68,20 +139,16 @@ def test_one_trace_serves_every_size_from_one_up():
     with torch.compiler.set_stance("fail_on_recompile"):
         for n in [1, 2, 5, 4, 17, 1]:
             run_schedule(compiled, model, [[(0, n)]], seed=n)
-    assert kvgraph.compile_counters.dynamo_graphs == 1
+    assert compile_counters.dynamo_graphs == 1
 
 
 def test_kv_caches_are_graph_inputs_that_reach_the_op_directly():
     model = make_model("llama")
     caches = bind_fresh_caches(model)
-    backend = CapturingBackend(EAGER_PIECES)
-    compiled = torch.compile(model, backend=backend)
     input_ids, positions = torch.tensor([1, 2, 3]), torch.arange(3)
-    kvgraph.mark_token_dims(input_ids, positions)
     chunk = kvgraph.RequestChunk([1, 2, 3], 0, [0])
     with torch.no_grad(), kvgraph.set_forward_context(kvgraph.build_attention_metadata([chunk], 4)):
-        compiled(input_ids, positions)
-    (gm,) = backend.graphs
+        gm = dynamo_capture(model, input_ids, positions, unbacked=(input_ids, positions)).gm
     # Dynamo names each placeholder after its source, `L['self']....kv_cache[0]` included.
     placeholders = {n: n.name for n in gm.graph.nodes if n.op == "placeholder"}
     attention_calls = [n for n in gm.graph.nodes if passes_op_name(n) == "kvgraph::unified_attention"]
@@ -114,26 +181,26 @@ def test_rebinding_caches_of_the_same_shapes_needs_no_retrace():
     for name in first:
         assert all(torch.equal(a, b) for a, b in zip(first[name], snapshot[name])), "old cache written"
         assert all(t.abs().sum() > 0 for t in second[name]), "new cache not written"
-    assert kvgraph.compile_counters.dynamo_graphs == 1
+    assert compile_counters.dynamo_graphs == 1
 
 
 def test_identical_layers_compile_once():
     unique = {}
     for layers in (2, 8):
-        kvgraph.compile_counters.reset()
+        compile_counters.reset()
         torch._dynamo.reset()
         model = make_model("llama", num_layers=layers)
         bind_fresh_caches(model)
         run_schedule(kvgraph.compile_model(model, EAGER_PIECES), model, [[(0, 3)]])
-        assert kvgraph.compile_counters.pieces == layers + 1
-        unique[layers] = kvgraph.compile_counters.unique_pieces
+        assert compile_counters.pieces == layers + 1
+        unique[layers] = compile_counters.unique_pieces
     assert unique[2] == unique[8] == 3  # first, middle (shared by every layer), last
 
 
 def test_static_token_dimension_is_warned_about(caplog):
     model = make_model("llama")
     bind_fresh_caches(model)
-    compiled = torch.compile(model, backend=kvgraph.KVGraphBackend(EAGER_PIECES))
+    compiled = torch.compile(model, backend=KVGraphBackend(EAGER_PIECES))
     with caplog.at_level("WARNING", logger="kvgraph.compilation.backend"):
         run_schedule(compiled, model, [[(0, 3)]])
     assert "mark_token_dims" in caplog.text
@@ -142,11 +209,19 @@ def test_static_token_dimension_is_warned_about(caplog):
 def test_bad_options_name_the_valid_ones():
     model = torch.nn.Linear(2, 2)
     compiled = torch.compile(model, backend="kvgraph", options={"graph_mod": "full"})
-    with pytest.raises(Exception, match=r"unknown kvgraph option\(s\) \['graph_mod'\]; valid: .*graph_mode"):
+    with pytest.raises(BackendCompilerFailed) as info:  # Dynamo's wrapper of a backend's error
         compiled(torch.ones(2, 2))
+    error = info.value.inner_exception
+    assert type(error) is ValueError
+    assert re.fullmatch(r"unknown kvgraph option\(s\) \['graph_mod'\]; valid: \[.*'graph_mode'.*\]",
+                        str(error)), str(error)
     compiled = torch.compile(model, backend="kvgraph", options={"graph_mode": "fast"})
-    with pytest.raises(Exception, match="unknown graph_mode 'fast'; valid: .*piecewise"):
+    with pytest.raises(BackendCompilerFailed) as info:
         compiled(torch.ones(2, 2))
+    error = info.value.inner_exception
+    assert type(error) is ValueError
+    assert str(error) == ("bad value for graph_mode: unknown graph_mode 'fast'; valid: "
+                          f"{[mode.value for mode in GraphMode]}")
 
 
 def test_mode_reaches_the_config(monkeypatch):
@@ -211,4 +286,4 @@ def test_guards_are_skipped_unless_asked_for(check_guards, traces):
     run_schedule(compiled, model, [[(0, 3)]])
     bind_fresh_caches(model, num_blocks=128)
     run_schedule(compiled, model, [[(0, 3)]])
-    assert kvgraph.compile_counters.dynamo_graphs == traces
+    assert compile_counters.dynamo_graphs == traces

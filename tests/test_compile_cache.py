@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -15,15 +16,18 @@ from torch import fx
 import kvgraph
 import passes
 from kvgraph.compilation.cache import CompileCache, digest, graph_fingerprint, source_files_digest
+from kvgraph.compilation.counters import compile_counters
+from tests.scenario import dynamo_capture
 
 KEY = digest("test-key")
 
 
-@pytest.fixture(autouse=True)
-def counters():
-    kvgraph.compile_counters.reset()
-    yield kvgraph.compile_counters
-    kvgraph.compile_counters.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
+
+
+@pytest.fixture
+def counters(fresh_compile_state):
+    return compile_counters
 
 
 def write_bytes(payload: bytes):
@@ -250,27 +254,6 @@ def test_concurrent_saves_never_leave_a_damaged_file(tmp_path, counters):
 # --- graph_fingerprint -------------------------------------------------------------------------
 
 
-def dynamo_graph(fn, *args, unbacked=()) -> fx.GraphModule:
-    graphs = []
-
-    def capture_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    for index in unbacked:
-        torch._dynamo.decorators.mark_unbacked(args[index], 0)
-    torch.compile(fn, backend=capture_backend, fullgraph=True)(*args)
-    assert len(graphs) == 1
-    return graphs[0]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class Layer(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -301,14 +284,19 @@ def test_fingerprint_identical_layers_match():
     metadata = kvgraph.build_attention_metadata(
         [kvgraph.RequestChunk([1, 2, 3, 4, 5], 0, [0, 1])], 4)
     with kvgraph.set_forward_context(metadata):
-        gm = dynamo_graph(Stack(4), torch.randn(5, 8), caches, unbacked=(0,))
+        x = torch.randn(5, 8)
+        gm = dynamo_capture(Stack(4), x, caches, unbacked=[x]).gm
     split = passes.split_at_attention(gm, ["kvgraph::unified_attention"])
     compute = [p.graph_module for p in split.pieces if not p.is_splitting_op]
     assert len(compute) == 5  # first, 3 x (end of layer i + start of layer i+1), last
     middle = compute[1:4]
     # the node names of the middle pieces differ (each names its own layer's parameters)...
     names = [{n.name for n in g.graph.nodes if n.op == "placeholder"} for g in middle]
-    assert names[0] != names[1] != names[2]
+    for layer, piece_names in enumerate(names, start=1):
+        parameters = [name for name in piece_names if "_parameters_" in name]
+        assert len(parameters) == 2, piece_names  # this layer's proj weight and bias
+        assert all(f"_layers_modules_{layer}_" in name for name in parameters), piece_names
+    assert len({frozenset(n) for n in names}) == 3  # pairwise different, first and last too
     # ...but they are the same computation
     prints = [graph_fingerprint(g) for g in compute]
     assert prints[1] == prints[2] == prints[3]
@@ -344,9 +332,9 @@ def test_fingerprint_same_function_retraced_is_stable():
     def fn(x):
         return torch.sigmoid(x) * 3
 
-    first = graph_fingerprint(dynamo_graph(fn, torch.randn(4, 8)))
+    first = graph_fingerprint(dynamo_capture(fn, torch.randn(4, 8)).gm)
     torch._dynamo.reset()
-    assert graph_fingerprint(dynamo_graph(fn, torch.randn(4, 8))) == first
+    assert graph_fingerprint(dynamo_capture(fn, torch.randn(4, 8)).gm) == first
 
 
 def test_fingerprint_differs_when_an_op_differs():
@@ -360,7 +348,8 @@ def test_fingerprint_differs_when_an_op_differs():
         return torch.relu(x) - 1
 
     x = torch.randn(4, 8)
-    prints = {graph_fingerprint(dynamo_graph(f, x)) for f in (with_relu, with_sigmoid, with_sub)}
+    prints = {graph_fingerprint(dynamo_capture(f, x).gm)
+              for f in (with_relu, with_sigmoid, with_sub)}
     assert len(prints) == 3
 
 
@@ -368,13 +357,14 @@ def test_fingerprint_differs_when_a_shape_or_dtype_differs():
     def fn(x):
         return x.sum(0) * 2
 
-    a = graph_fingerprint(dynamo_graph(fn, torch.randn(4, 8)))
+    a = graph_fingerprint(dynamo_capture(fn, torch.randn(4, 8)).gm)
     torch._dynamo.reset()
-    b = graph_fingerprint(dynamo_graph(fn, torch.randn(4, 16)))
+    b = graph_fingerprint(dynamo_capture(fn, torch.randn(4, 16)).gm)
     torch._dynamo.reset()
-    c = graph_fingerprint(dynamo_graph(fn, torch.randn(4, 8, dtype=torch.float64)))
+    c = graph_fingerprint(dynamo_capture(fn, torch.randn(4, 8, dtype=torch.float64)).gm)
     torch._dynamo.reset()
-    d = graph_fingerprint(dynamo_graph(fn, torch.randn(4, 8).t()))  # same numbers, other strides
+    # same numbers, other strides
+    d = graph_fingerprint(dynamo_capture(fn, torch.randn(4, 8).t()).gm)
     assert len({a, b, c, d}) == 4
 
 
@@ -386,8 +376,8 @@ def test_fingerprint_differs_when_a_constant_argument_differs():
         return x.view(4, 4) + 1
 
     x = torch.randn(16)
-    assert graph_fingerprint(dynamo_graph(view_2_8, x)) != \
-        graph_fingerprint(dynamo_graph(view_4_4, x))
+    assert graph_fingerprint(dynamo_capture(view_2_8, x).gm) != \
+        graph_fingerprint(dynamo_capture(view_4_4, x).gm)
 
 
 def test_fingerprint_distinguishes_boolean_dispatch_ops():
@@ -399,7 +389,8 @@ def test_fingerprint_distinguishes_boolean_dispatch_ops():
 
     x = torch.randn(1, 4, 4)
     assert pool1d(x).shape != pool2d(x).shape  # really different computations
-    assert graph_fingerprint(dynamo_graph(pool1d, x)) != graph_fingerprint(dynamo_graph(pool2d, x))
+    assert graph_fingerprint(dynamo_capture(pool1d, x).gm) != \
+        graph_fingerprint(dynamo_capture(pool2d, x).gm)
 
 
 # --- digest / source_files_digest --------------------------------------------------------------
@@ -410,7 +401,7 @@ def test_digest_stable_and_order_sensitive():
     same_config = kvgraph.CompilationConfig(cache_dir="", capture_sizes=[2, 1, 1])
     parts = ("2.13.0", "0.1.0", "cpu", config)
     value = digest(*parts)
-    assert len(value) == 64 and int(value, 16) >= 0
+    assert re.fullmatch(r"[0-9a-f]{64}", value), value  # sha256, hex
     assert digest(*parts) == value
     assert digest("2.13.0", "0.1.0", "cpu", same_config) == value
     assert digest("0.1.0", "2.13.0", "cpu", config) != value

@@ -11,8 +11,8 @@ from tests.scenario import bind_fresh_caches, make_model, run_schedule
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_compile_state")
 def test_generated_code_calls_attention_on_the_cache_inputs_without_copies(inductor_config):
-    torch._dynamo.reset()
     model, reference = make_model("llama"), make_model("llama")
     caches, reference_caches = bind_fresh_caches(model), bind_fresh_caches(reference)
     compiled = kvgraph.compile_model(model, inductor_config.replace(graph_mode="full"))

@@ -15,6 +15,7 @@ from torch._functorch.aot_autograd import aot_function
 
 import kvgraph
 import passes
+from tests import scenario
 
 ATTN = "kvgraph::unified_attention"
 BLOCK_SIZE = 4
@@ -43,27 +44,13 @@ class Captured:
         return self.gm(*args), clones
 
 
-def dynamo_capture(fn, inputs: dict[str, torch.Tensor], unbacked: tuple[str, ...] = ()) -> Captured:
-    """Trace `fn(**inputs)` with Dynamo; return the graph it hands to the backend."""
-    graphs, calls = [], []
-
-    def capture_backend(gm, example_inputs):
-        graphs.append(gm)
-
-        def run(*args):
-            calls.append(args)
-            return gm.forward(*args)
-
-        return run
-
+def capture_named(fn, inputs: dict[str, torch.Tensor], unbacked: tuple[str, ...] = ()) -> Captured:
+    """Trace `fn(**inputs)` with Dynamo (tests.scenario.dynamo_capture), by input name."""
     passed = {name: t.clone() for name, t in inputs.items()}
-    for name in unbacked:
-        torch._dynamo.decorators.mark_unbacked(passed[name], 0)
-    torch.compile(fn, backend=capture_backend, fullgraph=True)(**passed)
-    assert len(graphs) == 1 and len(calls) == 1
+    traced = scenario.dynamo_capture(fn, unbacked=[passed[name] for name in unbacked], **passed)
     by_id = {id(t): name for name, t in passed.items()}
-    layout = [("input", by_id[id(a)]) if isinstance(a, torch.Tensor) else a for a in calls[0]]
-    return Captured(graphs[0], layout)
+    layout = [("input", by_id[id(a)]) if isinstance(a, torch.Tensor) else a for a in traced.args]
+    return Captured(traced.gm, layout)
 
 
 def call_nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
@@ -115,11 +102,7 @@ def assert_same(result, expected):
         torch.testing.assert_close(result, expected, rtol=0, atol=0)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")
 
 
 # --- noop_elimination --------------------------------------------------------------------------
@@ -137,7 +120,7 @@ def noop_fn(x, w):
 
 def test_noop_elimination_symbolic_shapes():
     inputs = {"x": torch.randn(5, 4), "w": torch.randn(3, 4)}
-    captured = dynamo_capture(noop_fn, inputs, unbacked=("x",))
+    captured = capture_named(noop_fn, inputs, unbacked=("x",))
     gm = captured.gm
     x_value = next(n for n in gm.graph.nodes if n.target == "L_x_").meta["example_value"]
     assert isinstance(x_value.shape[0], torch.SymInt)  # the test really is symbolic
@@ -175,7 +158,7 @@ def test_noop_elimination_keeps_shape_changes_and_dtype_views():
         return x.view(2, 8) + 1, x.view(torch.int32) + 1, x.view(torch.float32) * 2, x.expand(4, 4) - 1
 
     inputs = {"x": torch.randn(4, 4)}
-    captured = dynamo_capture(fn, inputs)
+    captured = capture_named(fn, inputs)
     gm = captured.gm
     assert len(method_nodes(gm, "view")) == 3
     before = captured.run(inputs)[0]
@@ -315,7 +298,7 @@ def capture_attention_fn(fn, seed):
     """The Dynamo graph of `fn` on seeded attention inputs, with its metadata and inputs."""
     metadata, inputs = split_inputs(torch.Generator().manual_seed(seed))
     with kvgraph.set_forward_context(metadata):
-        captured = dynamo_capture(fn, inputs)
+        captured = capture_named(fn, inputs)
     return captured, metadata, inputs
 
 

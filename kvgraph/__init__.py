@@ -3,75 +3,60 @@
 from kvgraph.attention import ops  # noqa: F401  (registers torch.ops.kvgraph.*)
 from kvgraph.attention.layer import Attention, MLAAttention
 from kvgraph.attention.metadata import (
-    PADDING_SLOT,
     AttentionMetadata,
     RequestChunk,
     build_attention_metadata,
     build_model_inputs,
 )
-from kvgraph.compilation.backend import KVGraphBackend, kvgraph_backend
-from kvgraph.kv_cache.binding import bind_kv_cache
-from kvgraph.compilation.trace import CompiledModel, compile_model, mark_token_dims
+from kvgraph.compilation.backend import kvgraph_backend
+from kvgraph.compilation.trace import compile_model, mark_token_dims
 from kvgraph.config import CompilationConfig, GraphMode, add_cli_args
-from kvgraph.compilation.counters import CompileCounters, GraphCounters, compile_counters, graph_counters
-from kvgraph.runtime.dispatcher import Dispatcher, GraphSupport
-from kvgraph.errors import BatchError, ForwardContextError, KVCacheError
-from kvgraph.forward_context import (
-    BatchDescriptor,
-    ForwardContext,
-    get_forward_context,
-    set_forward_context,
-)
-from kvgraph.runtime.runner import ModelRunner
-from kvgraph.version import __version__
+from kvgraph.errors import BatchError, ForwardContextError, GraphError, KVCacheError, PlatformError
+from kvgraph.forward_context import BatchDescriptor, set_forward_context
+from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.kv_cache.spec import (
     AttentionSpec,
-    KVCacheSpec,
     MLASpec,
     allocate_kv_caches,
     attention_layers,
     kv_cache_specs,
 )
+from kvgraph.runtime.runner import ModelRunner
+from kvgraph.version import __version__
 
-
+# What model, server and backend authors use; everything else is importable from its module
+# (counters from kvgraph.compilation.counters, attention backends from kvgraph.attention.backends).
 __all__ = [
     "__version__",
-    "CompilationConfig",
-    "CompileCounters",
-    "Dispatcher",
-    "GraphCounters",
-    "GraphSupport",
-    "ModelRunner",
-    "graph_counters",
-    "CompiledModel",
-    "GraphMode",
-    "KVGraphBackend",
-    "add_cli_args",
-    "compile_counters",
-    "compile_model",
-    "kvgraph_backend",
-    "mark_token_dims",
-    "PADDING_SLOT",
+    # models: attention layers and their caches
     "Attention",
-    "AttentionMetadata",
-    "AttentionSpec",
-    "BatchDescriptor",
-    "BatchError",
-    "ForwardContext",
-    "ForwardContextError",
-    "KVCacheError",
-    "KVCacheSpec",
     "MLAAttention",
+    "AttentionSpec",
     "MLASpec",
-    "RequestChunk",
+    "kv_cache_specs",
     "allocate_kv_caches",
     "attention_layers",
     "bind_kv_cache",
+    # one step's batch, metadata and context
+    "RequestChunk",
+    "AttentionMetadata",
     "build_attention_metadata",
     "build_model_inputs",
-    "get_forward_context",
-    "kv_cache_specs",
+    "BatchDescriptor",
     "set_forward_context",
+    # compile, capture, run
+    "GraphMode",
+    "CompilationConfig",
+    "add_cli_args",
+    "compile_model",
+    "mark_token_dims",
+    "ModelRunner",
+    # errors
+    "BatchError",
+    "ForwardContextError",
+    "GraphError",
+    "KVCacheError",
+    "PlatformError",
 ]
 
 

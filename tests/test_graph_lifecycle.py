@@ -14,6 +14,7 @@ import torch
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
 from kvgraph.attention.metadata import host_batch
+from kvgraph.compilation.counters import compile_counters, graph_counters
 from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
 from tests.test_runner import TOLERANCE, assert_matches_eager, make_runner
 
@@ -42,7 +43,7 @@ def test_execute_before_capture_runs_without_graphs_and_equals_eager(mode, caplo
     with caplog.at_level(logging.INFO, logger="kvgraph.runtime.dispatcher"):
         assert_same_generation(runner, expected)
     stats = runner.stats()
-    assert stats["graphs"]["captures"] == 0 and kvgraph.graph_counters.captures == 0
+    assert stats["graphs"]["captures"] == 0 and graph_counters.captures == 0
     assert {key.split(":")[0] for key in stats["hits"]} == {"none"}
     assert stats["uncaptured"] > 0
     assert caplog.text.count("none was captured") == 1, "logged once"
@@ -101,7 +102,7 @@ def test_more_runners_than_dynamos_recompile_limit_each_compile():
     for i in range(10):
         runner = make_runner("llama", "none")
         torch.testing.assert_close(runner.execute(chunks), expected, **TOLERANCE)
-        assert kvgraph.compile_counters.dynamo_graphs == i + 1, f"runner {i} was not compiled"
+        assert compile_counters.dynamo_graphs == i + 1, f"runner {i} was not compiled"
         del runner
 
 

@@ -88,3 +88,16 @@ def test_import_kvgraph_loads_no_backend_or_platform_it_does_not_need():
     # The two interfaces only: no backend's kernels, no platform (torch_npu, CUDA graphs).
     assert result.stdout.strip() == ("['kvgraph.attention.backends.base', "
                                      "'kvgraph.runtime.platforms.base']")
+
+
+def test_the_public_api_is_what_its_users_need_and_every_error():
+    import kvgraph
+    import kvgraph.errors
+
+    assert all(hasattr(kvgraph, name) for name in kvgraph.__all__)
+    errors = {name for name, value in vars(kvgraph.errors).items()
+              if isinstance(value, type) and issubclass(value, Exception)}
+    assert errors == {"BatchError", "ForwardContextError", "GraphError", "KVCacheError",
+                      "PlatformError"}
+    assert errors <= set(kvgraph.__all__)
+    assert len(kvgraph.__all__) <= 26, "each public name is a promise: keep the surface small"

@@ -7,7 +7,9 @@ import torch
 
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
+from kvgraph.attention.backends import GraphSupport
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
+from kvgraph.compilation.counters import graph_counters
 from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16)
@@ -83,7 +85,7 @@ class AlwaysCapturableBackend(TorchNativeBackend):
     batches to fixed shapes, which exercises the full-graph path for non-decode batches."""
 
     name = "test_always"
-    graph_support = kvgraph.GraphSupport.ALWAYS
+    graph_support = GraphSupport.ALWAYS
 
 
 kvgraph.attention.backends.register_attention_backend(AlwaysCapturableBackend)
@@ -113,9 +115,9 @@ def test_capture_happens_once_per_descriptor_and_the_stats_add_up():
     decode_sizes = [s for s in CAPTURE_SIZES if s <= 8]
     assert first["graphs"] == pieces * len(CAPTURE_SIZES) + len(decode_sizes)
     assert runner.capture()["graphs"] == 0
-    before = kvgraph.graph_counters.captures
+    before = graph_counters.captures
     generate(runner, runner.model.config.vocab_size)
-    assert kvgraph.graph_counters.captures == before, "execute captured a graph capture() had"
+    assert graph_counters.captures == before, "execute captured a graph capture() had"
     stats = runner.stats()
     full_steps = sum(n for key, n in stats["hits"].items() if key.startswith("full:"))
     piecewise_steps = sum(n for key, n in stats["hits"].items() if key.startswith("piecewise:"))

@@ -6,6 +6,7 @@ import sys
 import torch
 
 import kvgraph
+from kvgraph.compilation.counters import compile_counters
 from tests.scenario import bind_fresh_caches, make_model, run_schedule
 
 
@@ -15,7 +16,7 @@ def main(cache_dir: str) -> None:
     config = kvgraph.CompilationConfig(compile_sizes=(4,), cache_dir=cache_dir)
     logits = run_schedule(kvgraph.compile_model(model, config), model)
     print(json.dumps({
-        "counters": kvgraph.compile_counters.snapshot(),
+        "counters": compile_counters.snapshot(),
         "logits": torch.cat(logits).flatten()[:64].tolist(),
     }))
 

@@ -37,6 +37,7 @@ def measure(num_layers: int, cache_dir: str, compile_sizes: str) -> dict:
 def child(num_layers: int, cache_dir: str, compile_sizes: str) -> None:
     import kvgraph
     from examples.models.llama import PRESETS, Llama
+    from kvgraph.compilation.counters import compile_counters as counters
 
     model = Llama.from_hf({**PRESETS["tiny"], "num_hidden_layers": num_layers})
     caches = kvgraph.allocate_kv_caches(kvgraph.kv_cache_specs(model, 16, torch.float32), 64, "cpu")
@@ -50,7 +51,6 @@ def child(num_layers: int, cache_dir: str, compile_sizes: str) -> None:
     start = time.perf_counter()
     with torch.no_grad(), kvgraph.set_forward_context(metadata):
         compiled(input_ids, positions)
-    counters = kvgraph.compile_counters
     print(json.dumps({"compile_s": time.perf_counter() - start, "builds": counters.builds,
                       "cache_hits": counters.cache_hits, "pieces": counters.pieces,
                       "unique_pieces": counters.unique_pieces}))

@@ -15,6 +15,8 @@ import torch
 import kvgraph
 from examples.models.deepseek_mla import DeepseekMLA
 from examples.models.llama import Llama
+from kvgraph.attention.backends import GraphSupport, register_attention_backend
+from kvgraph.attention.backends.torch_native import TorchNativeBackend
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -177,3 +179,45 @@ def dynamo_capture(fn: Callable, *args, unbacked=(), **kwargs) -> DynamoCapture:
     torch.compile(fn, backend=backend, fullgraph=True)(*args, **kwargs)
     assert len(graphs) == 1 and len(calls) == 1, (len(graphs), len(calls))
     return DynamoCapture(graphs[0], calls[0])
+
+
+# --- runners: every graph mode against eager, through ModelRunner -----------------------------
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16)
+TOLERANCE = dict(atol=1e-5, rtol=1e-5)
+
+
+def make_runner(kind, mode, device="cpu", piece_compiler="eager", attn_backend=None, **config):
+    model = make_model(kind).to(device)
+    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler=piece_compiler,
+                                       capture_sizes=CAPTURE_SIZES, check_graph_inputs=True,
+                                       **config)
+    return kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                               max_num_tokens=32, max_num_seqs=8, device=device,
+                               attn_backend=attn_backend)
+
+
+def assert_matches_eager(kind, mode, device="cpu", **config):
+    eager = make_runner(kind, "eager", device)
+    expected_logits, expected_tokens = generate(eager, eager.model.config.vocab_size)
+    runner = make_runner(kind, mode, device, **config)
+    runner.capture()
+    logits, tokens = generate(runner, runner.model.config.vocab_size)
+    assert tokens == expected_tokens
+    for step, (got, want) in enumerate(zip(logits, expected_logits)):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=f"step {step}")
+    for name, cache in eager.kv_caches.items():
+        for got, want in zip(runner.kv_caches[name], cache):
+            torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
+    return runner
+
+
+class AlwaysCapturableBackend(TorchNativeBackend):
+    """Torch-native math declared capture-safe for every batch: the runner then pads mixed
+    batches to fixed shapes, which exercises the full-graph path for non-decode batches."""
+
+    name = "test_always"
+    graph_support = GraphSupport.ALWAYS
+
+
+register_attention_backend(AlwaysCapturableBackend)

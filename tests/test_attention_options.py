@@ -13,12 +13,11 @@ import pytest
 import torch
 
 import kvgraph
-from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
+from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, TOLERANCE, generate, make_model
 from tests.attention_reference import (
     D, H, HKV, LORA, ROPE, assert_close, attention_batch, block_and_offset, check_caches,
     make_chunks, mla_batch, rand, ref_attention, request_shapes,
 )
-from tests.test_runner import TOLERANCE
 
 TARGET, SHARER = "model.layers.0.attn", "model.layers.1.attn"
 

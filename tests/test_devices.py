@@ -5,8 +5,7 @@ import torch
 
 import kvgraph
 from kvgraph.devices import canonical_device, same_device
-from tests.scenario import make_model
-from tests.test_runner import assert_matches_eager
+from tests.scenario import assert_matches_eager, make_model
 
 
 def test_same_device_compares_type_and_index():

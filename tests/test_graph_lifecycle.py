@@ -15,8 +15,9 @@ import kvgraph
 from kvgraph import CompilationConfig, GraphMode
 from kvgraph.attention.metadata import host_batch
 from kvgraph.compilation.counters import compile_counters, graph_counters
-from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
-from tests.test_runner import TOLERANCE, assert_matches_eager, make_runner
+from tests.scenario import (
+    BLOCK_SIZE, NUM_BLOCKS, TOLERANCE, assert_matches_eager, generate, make_model, make_runner,
+)
 
 GRAPH_MODES = ["piecewise", "full", "full_decode_only", "full_and_piecewise"]
 

@@ -24,7 +24,7 @@ class Block(nn.Module):
             self.mlp = nn.Linear(2, 2)
 
 
-def make_model(kinds):
+def model_of_layers(kinds):
     model = nn.Module()
     model.model = nn.Module()
     model.model.layers = nn.ModuleList(Block(i, kind) for i, kind in enumerate(kinds))
@@ -59,7 +59,7 @@ def test_specs_shapes_and_bytes_per_block():
 
 
 def test_allocation_is_one_separate_tensor_per_role():
-    model = make_model(["decoder", "mla"])
+    model = model_of_layers(["decoder", "mla"])
     specs, caches = alloc(model)
     key, value = caches["model.layers.0.attn"]
     assert key.shape == value.shape == (6, BLOCK, KV_HEADS, HEAD)
@@ -71,14 +71,14 @@ def test_allocation_is_one_separate_tensor_per_role():
 
 
 def test_specs_skip_encoder_only_and_shared_layers():
-    model = make_model(["decoder", "encoder_only", "decoder"])
+    model = model_of_layers(["decoder", "encoder_only", "decoder"])
     specs = kvgraph.kv_cache_specs(model, BLOCK, torch.float32,
                                    shared_kv_cache_layers={"model.layers.2.attn": "model.layers.0.attn"})
     assert list(specs) == ["model.layers.0.attn"]
 
 
 def test_bind_dict_form_sets_the_very_tuples():
-    model = make_model(["decoder", "mla"])
+    model = model_of_layers(["decoder", "mla"])
     _, caches = alloc(model)
     bound = kvgraph.bind_kv_cache(layers_of(model), caches)
     for name, layer in kvgraph.attention_layers(model).items():
@@ -90,7 +90,7 @@ def test_bind_dict_form_sets_the_very_tuples():
 def test_bind_list_form_follows_layer_index_with_gaps():
     kinds = ["mlp"] * 29
     kinds[20], kinds[28], kinds[5] = "decoder", "decoder", "encoder_only"
-    model = make_model(kinds)
+    model = model_of_layers(kinds)
     first = kvgraph.AttentionSpec(BLOCK, KV_HEADS, HEAD, torch.float32).allocate(3, "cpu")
     second = kvgraph.AttentionSpec(BLOCK, KV_HEADS, HEAD, torch.float32).allocate(3, "cpu")
     kvgraph.bind_kv_cache(layers_of(model), [first, second])
@@ -103,7 +103,7 @@ def test_bind_list_form_follows_layer_index_with_gaps():
 
 
 def test_bind_sharing_reuses_the_target_tuple_through_chains():
-    model = make_model(["decoder", "decoder", "decoder"])
+    model = model_of_layers(["decoder", "decoder", "decoder"])
     shared = {"model.layers.1.attn": "model.layers.0.attn",
               "model.layers.2.attn": "model.layers.1.attn"}
     _, caches = alloc(model, shared_kv_cache_layers=shared)
@@ -114,7 +114,7 @@ def test_bind_sharing_reuses_the_target_tuple_through_chains():
 
 
 def test_bind_rebinding_replaces_the_tuple():
-    model = make_model(["decoder"])
+    model = model_of_layers(["decoder"])
     _, first = alloc(model)
     _, second = alloc(model)
     kvgraph.bind_kv_cache(layers_of(model), first)
@@ -150,7 +150,7 @@ def _replace(caches, name, index, tensor):
     ],
 )
 def test_bind_errors_name_the_layer_and_what_was_expected(mutate, message):
-    model = make_model(["decoder", "mla"])
+    model = model_of_layers(["decoder", "mla"])
     _, caches = alloc(model)
     with pytest.raises(KVCacheError, match=message):
         kvgraph.bind_kv_cache(layers_of(model), mutate(caches))
@@ -159,13 +159,13 @@ def test_bind_errors_name_the_layer_and_what_was_expected(mutate, message):
 
 
 def test_bind_checks_device_and_dtype_when_asked():
-    model = make_model(["decoder"])
+    model = model_of_layers(["decoder"])
     _, caches = alloc(model)
     with pytest.raises(KVCacheError, match="expected device meta, got cpu"):
         kvgraph.bind_kv_cache(layers_of(model), caches, device="meta")
     with pytest.raises(KVCacheError, match="expected dtype torch.bfloat16"):
         kvgraph.bind_kv_cache(layers_of(model), caches, dtype=torch.bfloat16)
-    mixed = make_model(["decoder", "decoder"])
+    mixed = model_of_layers(["decoder", "decoder"])
     _, mixed_caches = alloc(mixed)
     mixed_caches["model.layers.1.attn"] = tuple(t.to("meta") for t in mixed_caches["model.layers.1.attn"])
     with pytest.raises(KVCacheError, match="layer 'model.layers.1.attn' key_cache: expected device cpu"):
@@ -183,14 +183,14 @@ def test_bind_checks_device_and_dtype_when_asked():
     ],
 )
 def test_bind_sharing_errors(shared, message):
-    model = make_model(["decoder", "decoder", "decoder", "encoder_only"])
+    model = model_of_layers(["decoder", "decoder", "decoder", "encoder_only"])
     _, caches = alloc(model)
     with pytest.raises(KVCacheError, match=message):
         kvgraph.bind_kv_cache(layers_of(model), caches, shared)
 
 
 def test_bind_rejects_a_cache_for_a_sharing_layer_and_a_misnamed_key():
-    model = make_model(["decoder", "decoder"])
+    model = model_of_layers(["decoder", "decoder"])
     _, caches = alloc(model)
     with pytest.raises(KVCacheError, match="shares the cache of 'model.layers.0.attn'; drop its entry"):
         kvgraph.bind_kv_cache(layers_of(model), caches, {"model.layers.1.attn": "model.layers.0.attn"})

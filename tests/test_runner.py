@@ -7,41 +7,16 @@ import torch
 
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
-from kvgraph.attention.backends import GraphSupport
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
 from kvgraph.compilation.counters import graph_counters
-from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, generate, make_model
+from tests.scenario import (
+    BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, TOLERANCE, assert_matches_eager, generate, make_model,
+    make_runner,
+)
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16)
 MODES = ["eager", "none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
-TOLERANCE = dict(atol=1e-5, rtol=1e-5)
-
 
 pytestmark = pytest.mark.usefixtures("fresh_compile_state")
-
-
-def make_runner(kind, mode, device="cpu", piece_compiler="eager", attn_backend=None, **config):
-    model = make_model(kind).to(device)
-    config = CompilationConfig(graph_mode=mode, piece_compiler=piece_compiler,
-                               capture_sizes=CAPTURE_SIZES, check_graph_inputs=True, **config)
-    return kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                               max_num_tokens=32, max_num_seqs=8, device=device,
-                               attn_backend=attn_backend)
-
-
-def assert_matches_eager(kind, mode, device="cpu", **config):
-    eager = make_runner(kind, "eager", device)
-    expected_logits, expected_tokens = generate(eager, eager.model.config.vocab_size)
-    runner = make_runner(kind, mode, device, **config)
-    runner.capture()
-    logits, tokens = generate(runner, runner.model.config.vocab_size)
-    assert tokens == expected_tokens
-    for step, (got, want) in enumerate(zip(logits, expected_logits)):
-        torch.testing.assert_close(got, want, **TOLERANCE, msg=f"step {step}")
-    for name, cache in eager.kv_caches.items():
-        for got, want in zip(runner.kv_caches[name], cache):
-            torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
-    return runner
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
@@ -78,17 +53,6 @@ def test_full_mode_is_downgraded_with_a_warning_naming_mode_backend_and_reason(c
     assert runner.config.graph_mode is GraphMode.FULL_AND_PIECEWISE
     assert "'full' downgraded to 'full_and_piecewise'" in caplog.text
     assert "'torch_native'" in caplog.text and "uniform-decode" in caplog.text
-
-
-class AlwaysCapturableBackend(TorchNativeBackend):
-    """Torch-native math declared capture-safe for every batch: the runner then pads mixed
-    batches to fixed shapes, which exercises the full-graph path for non-decode batches."""
-
-    name = "test_always"
-    graph_support = GraphSupport.ALWAYS
-
-
-kvgraph.attention.backends.register_attention_backend(AlwaysCapturableBackend)
 
 
 def test_full_graphs_for_mixed_batches_with_a_backend_that_supports_them():

@@ -17,6 +17,7 @@ from torch.fx.passes.split_module import split_module
 
 import passes
 from passes.split import split_module_tuple_return
+from tests.scenario import dynamo_capture
 
 OP = "kvgraph_compat_test::scale_into"
 HAS_TUPLE_RETURN = "tuple_return" in inspect.signature(split_module).parameters
@@ -86,17 +87,10 @@ def symbolic(fn) -> fx.GraphModule:
 
 
 def dynamo(fn) -> fx.GraphModule:
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
     torch._dynamo.reset()
-    torch.compile(fn, backend=backend, fullgraph=True)(*make_inputs(0))
+    graph = dynamo_capture(fn, *make_inputs(0)).gm
     torch._dynamo.reset()
-    assert len(graphs) == 1
-    return graphs[0]
+    return graph
 
 
 TRACERS = {"symbolic_trace": symbolic, "dynamo": dynamo}

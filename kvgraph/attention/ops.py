@@ -14,7 +14,6 @@ from kvgraph.errors import BatchError, ForwardContextError
 from kvgraph.forward_context import get_forward_context
 
 
-
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(f"{name}: expected shape {expected}, got {tuple(tensor.shape)}")

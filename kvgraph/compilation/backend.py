@@ -15,14 +15,14 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import fx
 
+from kvgraph.attention.op_names import ATTENTION_OPS
 from kvgraph.compilation.cache import CompileCache, digest, graph_fingerprint, source_files_digest
-from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.compilation.counters import compile_counters
 from kvgraph.compilation.debug import DebugDump
 from kvgraph.compilation.graph_wrapper import GraphWrapper
-from kvgraph.attention.op_names import ATTENTION_OPS
 from kvgraph.compilation.piece_compiler import make_piece_compiler
 from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
+from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.version import __version__
 from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_attention
 

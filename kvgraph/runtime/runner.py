@@ -19,17 +19,17 @@ from torch import nn
 
 from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.metadata import RequestChunk, host_batch
-from kvgraph.kv_cache.binding import bind_kv_cache
+from kvgraph.compilation.counters import compile_counters
 from kvgraph.compilation.trace import compile_model
 from kvgraph.config import CompilationConfig, GraphMode
-from kvgraph.compilation.counters import compile_counters
 from kvgraph.devices import canonical_device
-from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
-from kvgraph.runtime.graphs import GraphSet
-from kvgraph.runtime.step import InputBuffers, StepLimits, StepPlan
+from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.kv_cache.spec import allocate_kv_caches, attention_layers, kv_cache_specs
+from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
+from kvgraph.runtime.graphs import GraphSet
 from kvgraph.runtime.platforms import get_platform
+from kvgraph.runtime.step import InputBuffers, StepLimits, StepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Process-wide counts of what compilation did, for tests, benchmarks and logs."""
+"""Process-wide counts of what compilation and graph capture did, for tests, benchmarks, logs."""
 
 from __future__ import annotations
 

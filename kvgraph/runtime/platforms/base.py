@@ -1,4 +1,4 @@
-"""What kvgraph asks of a device: graphs, a shared graph memory pool, synchronisation, memory."""
+"""What kvgraph asks of a device: graphs, a graph memory pool per runner, synchronisation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The CUDA platform: `torch.cuda.CUDAGraph` captured into one shared memory pool."""
+"""The CUDA platform: `torch.cuda.CUDAGraph`, captured into one memory pool per runner."""
 
 from __future__ import annotations
 

@@ -27,6 +27,8 @@ print(torch.cuda.get_device_name())"; python -c "import transformers; print(\"tr
 stage install 90 pip install --no-deps --no-build-isolation -e .
 stage pytest-cuda 180 python -m pytest -m cuda -q -p no:cacheprovider --timeout 120 \
   --junitxml "$OUT/pytest-cuda.xml"
+stage triton-kernels 120 python -m pytest tests/test_triton_backend.py -q -p no:cacheprovider \
+  --timeout 60 --junitxml "$OUT/triton-kernels.xml"
 stage decode-latency 200 python -m examples.benchmarks.decode_latency --device cuda \
   --preset 1b --dtype bfloat16 --batch-sizes 1 8 64 --cache-dir "$OUT/kvgraph-cache" \
   --json "$OUT/decode_latency.json"

@@ -28,9 +28,11 @@ BLOCK_SIZES = (1, 4, 16)
 TOL = {
     torch.float64: dict(rtol=1e-10, atol=1e-10),
     torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=5e-3, atol=5e-3),
     torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
 }
-INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
+INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
+            torch.bfloat16: torch.int16}
 LAYER = "model.layers.0.self_attn.attn"
 
 

@@ -2,8 +2,15 @@
 Dynamo state fixtures. Shared helpers (models, schedules, `dynamo_capture`) are in
 tests/scenario.py, the attention references in tests/attention_reference.py."""
 
-import pytest
-import torch
+import os
+
+# Without an NVIDIA GPU, Triton kernels run in Triton's CPU interpreter (set before Triton
+# decorates any kernel: kvgraph imports its Triton backend only on first use).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Helper modules' asserts get pytest's detailed messages, as a test module's do.
 pytest.register_assert_rewrite("tests.attention_reference", "tests.scenario")

@@ -16,6 +16,7 @@ DEFAULT_BACKEND = "torch_native"
 # name -> "module:class", imported on first use; register_attention_backend adds classes.
 _BACKENDS: dict[str, str | type] = {
     "torch_native": "kvgraph.attention.backends.torch_native:TorchNativeBackend",
+    "triton": "kvgraph.attention.backends.triton:TritonBackend",
 }
 _instances: dict[str, AttentionBackend] = {}
 

@@ -1,0 +1,99 @@
+"""The Triton backend's kernels against dense float64 attention (Triton's interpreter on CPU).
+
+Under `TRITON_INTERPRET=1` (set by conftest.py without a GPU) the kernels run on CPU tensors;
+shapes stay small because the interpreter is slow. On a GPU the same tests compile the kernels.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kvgraph.attention.backends import get_attention_backend  # noqa: E402
+from tests.attention_reference import (  # noqa: E402
+    HEAD_CONFIGS, KINDS, assert_bitwise_equal, assert_close, check_caches, random_attention_batch,
+    with_padding,
+)
+from tests.scenario import GENERATION, TOLERANCE, generate, make_runner  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PLAN = GENERATION[:5]  # prefill, chunked prefill, mixed and decode steps: enough, and quick
+
+
+def run_triton(batch, window=None, md=None, inputs=None):
+    backend = get_attention_backend("triton", DEVICE)
+    q, k, v = inputs or batch.inputs
+    out = torch.full_like(q, float("nan"))
+    backend.forward(q, k, v, list(batch.caches), out, md or batch.md, batch.scale, window)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_unified_attention_matches_dense_reference(kind, block_size):
+    batch = random_attention_batch(kind, block_size, "gqa", dtype=torch.float32)
+    assert_close(run_triton(batch), batch.ref, torch.float32)
+    check_caches(batch)  # the new keys and values at exactly their slots, nothing else
+
+
+@pytest.mark.parametrize("heads", list(HEAD_CONFIGS))
+def test_every_head_ratio(heads):
+    batch = random_attention_batch("mixed", 4, heads, dtype=torch.float32)
+    assert_close(run_triton(batch), batch.ref, torch.float32)
+    check_caches(batch)
+
+
+@pytest.mark.parametrize("window", [1, 5])
+def test_sliding_window(window):
+    batch = random_attention_batch("chunked", 4, "mqa", dtype=torch.float32, window=window)
+    assert_close(run_triton(batch, window), batch.ref, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cache_dtypes(dtype):
+    batch = random_attention_batch("mixed", 4, "gqa", dtype=dtype)
+    out = run_triton(batch)
+    assert out.dtype == dtype
+    assert_close(out, batch.ref, dtype)
+    check_caches(batch)
+
+
+def test_padding_tokens_write_nothing_and_output_zeros():
+    batch = random_attention_batch("mixed", 4, "gqa", dtype=torch.float32)
+    md, inputs = with_padding(batch, 3)
+    out = run_triton(batch, md=md, inputs=inputs)
+    real = batch.num_tokens
+    assert_close(out[:real], batch.ref, torch.float32)
+    assert (out[real:] == 0).all()
+    check_caches(batch)
+
+
+def test_an_all_padding_batch_writes_nothing():
+    batch = random_attention_batch("decode", 4, "gqa", dtype=torch.float32)
+    md, inputs = with_padding(batch, 4)
+    md = md.__class__(**{**md.__dict__, "slot_mapping": torch.full_like(md.slot_mapping, -1)})
+    run_triton(batch, md=md, inputs=inputs)
+    for got, before in zip(batch.caches, batch.before_caches):
+        assert_bitwise_equal(got, before, "cache")
+
+
+def test_asking_for_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    from kvgraph.attention.backends import triton as triton_backend
+
+    monkeypatch.setattr(triton_backend.TritonBackend, "device_types", ("cuda",))
+    with pytest.raises(ValueError, match="'triton' runs on cuda, not on cpu"):
+        get_attention_backend("triton", torch.device("cpu"))
+
+
+@pytest.mark.usefixtures("fresh_compile_state")
+@pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise"])
+def test_the_runner_with_triton_generates_what_torch_native_does(mode):
+    reference = make_runner("llama", "eager", device=DEVICE)
+    expected_logits, expected_tokens = generate(reference, reference.model.config.vocab_size,
+                                                PLAN)
+    runner = make_runner("llama", mode, device=DEVICE, attn_backend="triton")
+    runner.capture()
+    logits, tokens = generate(runner, runner.model.config.vocab_size, PLAN)
+    assert tokens == expected_tokens
+    for got, want in zip(logits, expected_logits):
+        torch.testing.assert_close(got, want, **TOLERANCE)

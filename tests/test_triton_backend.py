@@ -11,9 +11,10 @@ pytest.importorskip("triton")
 
 from kvgraph.attention.backends import get_attention_backend  # noqa: E402
 from tests.attention_reference import (  # noqa: E402
-    HEAD_CONFIGS, KINDS, assert_bitwise_equal, assert_close, check_caches, random_attention_batch,
-    with_padding,
+    HEAD_CONFIGS, KINDS, assert_bitwise_equal, assert_close, check_caches, encoder_batch,
+    random_attention_batch, random_mla_batch, with_padding,
 )
+from tests.test_attention_options import ref_encoder_window  # noqa: E402
 from tests.scenario import GENERATION, TOLERANCE, generate, make_runner  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -77,6 +78,30 @@ def test_an_all_padding_batch_writes_nothing():
         assert_bitwise_equal(got, before, "cache")
 
 
+@pytest.mark.parametrize("kind", ["decode", "mixed", "chunked"])
+def test_mla_matches_dense_reference(kind):
+    batch = random_mla_batch(kind, 4, dtype=torch.float32)
+    q_latent, q_pe, kv_c, k_pe = batch.inputs
+    out = torch.full_like(q_latent, float("nan"))
+    get_attention_backend("triton", DEVICE).forward_mla(
+        q_latent, q_pe, kv_c, k_pe, list(batch.caches), out, batch.md, batch.scale)
+    assert_close(out, batch.ref, torch.float32)
+    check_caches(batch)
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_encoder_attention_matches_dense_reference(window):
+    md, q, k, v, _ = encoder_batch(num_heads=4, num_kv_heads=2)
+    q, k, v = (t.float() for t in (q, k, v))
+    out = torch.full_like(q, float("nan"))
+    get_attention_backend("triton", DEVICE).forward_encoder(q, k, v, out, md, 0.3, window)
+    starts = md.query_start_loc.tolist()
+    expected = torch.cat([ref_encoder_window(q[lo:hi].double(), k[lo:hi].double(),
+                                             v[lo:hi].double(), 0.3, window or 10**9)
+                          for lo, hi in zip(starts, starts[1:])])
+    assert_close(out, expected, torch.float32)
+
+
 def test_asking_for_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
     from kvgraph.attention.backends import triton as triton_backend
 
@@ -86,14 +111,21 @@ def test_asking_for_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(m
 
 
 @pytest.mark.usefixtures("fresh_compile_state")
-@pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise"])
-def test_the_runner_with_triton_generates_what_torch_native_does(mode):
-    reference = make_runner("llama", "eager", device=DEVICE)
+@pytest.mark.parametrize("kind, mode", [
+    ("llama", "eager"), ("llama", "piecewise"), ("llama", "full"),
+    ("deepseek_mla", "full_and_piecewise"),
+])
+def test_the_runner_with_triton_generates_what_torch_native_does(kind, mode):
+    reference = make_runner(kind, "eager", device=DEVICE)
     expected_logits, expected_tokens = generate(reference, reference.model.config.vocab_size,
                                                 PLAN)
-    runner = make_runner("llama", mode, device=DEVICE, attn_backend="triton")
+    runner = make_runner(kind, mode, device=DEVICE, attn_backend="triton")
+    assert runner.config.graph_mode.value == mode, "triton captures every batch: no downgrade"
     runner.capture()
     logits, tokens = generate(runner, runner.model.config.vocab_size, PLAN)
     assert tokens == expected_tokens
     for got, want in zip(logits, expected_logits):
         torch.testing.assert_close(got, want, **TOLERANCE)
+    if mode == "full":  # mixed prefill/decode batches ran inside full graphs
+        assert any(key.startswith("full:") and "uniform_decode=False" in key
+                   for key in runner.stats()["hits"])

@@ -1,12 +1,12 @@
-"""Paged attention in Triton kernels: the cache write and unified attention for any batch.
+"""Paged attention in Triton kernels: the cache write, and unified, MLA and encoder attention.
 
-Both kernels take sequence lengths, query offsets and block tables as device tensors and never
+The kernels take sequence lengths, query offsets and block tables as device tensors and never
 sync with the host, and their launch grids depend only on tensor shapes (tokens, heads), never
-on a batch's contents. Each attention program reads only its request's real keys, so its cost
-does not depend on `max_model_len`. Accumulation is fp32 with an online softmax.
+on a batch's contents: full graphs can hold any batch. Each program (one token, one head) reads
+only its request's real keys, so its cost does not depend on `max_model_len`. Accumulation is
+fp32 with an online softmax; padding tokens and requests without keys produce zeros.
 
 Under `TRITON_INTERPRET=1` Triton runs the kernels on CPU tensors: that is how CI tests them.
-MLA and encoder-only attention still run the reference torch code (see `TritonBackend`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from kvgraph.attention.backends.base import GraphSupport
-from kvgraph.attention.backends.torch_native import TorchNativeBackend
 from kvgraph.attention.metadata import AttentionMetadata
 
 
@@ -53,9 +52,24 @@ def write_rows(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Te
 
 
 @triton.jit
+def _request_of(token, query_start_loc_ptr, num_reqs, REQS: tl.constexpr):
+    """The request `token` belongs to, whether it is real (1) or padding (0), its query start
+    and length."""
+    reqs = tl.arange(0, REQS)
+    ends = tl.load(query_start_loc_ptr + 1 + reqs, mask=reqs < num_reqs, other=2**30)
+    request = tl.sum((ends <= token).to(tl.int32), axis=0)  # requests that end at or before it
+    real = (request < num_reqs).to(tl.int32)  # tokens past the last request are padding
+    request = tl.minimum(request, num_reqs - 1)
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    return request, real, query_start, query_len
+
+
+@triton.jit
 def _unified_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr,
     query_start_loc_ptr, scale, num_reqs, block_table_stride, sliding_window,
+    q_token_stride, q_head_stride, out_token_stride, out_head_stride,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
     REQS: tl.constexpr,
@@ -64,26 +78,18 @@ def _unified_attention_kernel(
     token = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
-
-    # The request of this token: how many requests end at or before it.
-    reqs = tl.arange(0, REQS)
-    ends = tl.load(query_start_loc_ptr + 1 + reqs, mask=reqs < num_reqs, other=2**30)
-    request = tl.sum((ends <= token).to(tl.int32), axis=0)
-    is_real = request < num_reqs  # tokens past the last request are padding
-    request = tl.minimum(request, num_reqs - 1)
-    query_start = tl.load(query_start_loc_ptr + request)
-    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    request, real, query_start, query_len = _request_of(token, query_start_loc_ptr, num_reqs,
+                                                        REQS)
     seq_len = tl.load(seq_lens_ptr + request)
     position = seq_len - query_len + (token - query_start)  # this token's place in its sequence
     # Scalar arithmetic, not tl.where: Triton 3.6's interpreter cannot loop to a tl.where.
     first_key = tl.maximum(position - sliding_window + 1, 0)
-    real = is_real.to(tl.int32)
     last_key = position * real + real - 1  # inclusive; -1 (no key at all) for padding
 
     dims = tl.arange(0, HEAD_BLOCK)
     dim_mask = dims < HEAD_SIZE
-    query = tl.load(query_ptr + (token * NUM_HEADS + head) * HEAD_SIZE + dims, mask=dim_mask,
-                    other=0.0).to(tl.float32)
+    query = tl.load(query_ptr + token * q_token_stride + head * q_head_stride + dims,
+                    mask=dim_mask, other=0.0).to(tl.float32)
     row_max = tl.full((), float("-inf"), tl.float32)
     row_sum = tl.zeros((), tl.float32)
     acc = tl.zeros((HEAD_BLOCK,), tl.float32)
@@ -97,19 +103,121 @@ def _unified_attention_kernel(
         kv_mask = visible[:, None] & dim_mask[None, :]
         keys = tl.load(key_cache_ptr + rows[:, None] * HEAD_SIZE + dims[None, :], mask=kv_mask,
                        other=0.0).to(tl.float32)
-        scores = tl.sum(keys * query[None, :], axis=1) * scale
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=0))
-        correction = tl.exp(row_max - new_max)
-        weights = tl.exp(scores - new_max)
+        scores = tl.where(visible, tl.sum(keys * query[None, :], axis=1) * scale, float("-inf"))
         values = tl.load(value_cache_ptr + rows[:, None] * HEAD_SIZE + dims[None, :], mask=kv_mask,
                          other=0.0).to(tl.float32)
-        acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
-        row_sum = row_sum * correction + tl.sum(weights, axis=0)
-        row_max = new_max
+        row_max, row_sum, acc = _online_softmax_step(scores, values, row_max, row_sum, acc)
     result = acc / tl.maximum(row_sum, 1e-30)  # no visible key: zeros, never NaN
-    tl.store(out_ptr + (token * NUM_HEADS + head) * HEAD_SIZE + dims,
+    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims,
              result.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+@triton.jit
+def _online_softmax_step(scores, values, row_max, row_sum, acc):
+    """Fold one tile of scores `[KEYS]` and values `[KEYS, D]` into the running softmax."""
+    new_max = tl.maximum(row_max, tl.max(scores, axis=0))
+    correction = tl.exp(row_max - new_max)
+    weights = tl.exp(scores - new_max)
+    acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
+    row_sum = row_sum * correction + tl.sum(weights, axis=0)
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def _mla_attention_kernel(
+    out_ptr, q_latent_ptr, q_pe_ptr, kv_c_cache_ptr, k_pe_cache_ptr, block_table_ptr,
+    seq_lens_ptr, query_start_loc_ptr, scale, num_reqs, block_table_stride,
+    q_token_stride, q_head_stride, pe_token_stride, pe_head_stride, out_token_stride,
+    out_head_stride, NUM_HEADS: tl.constexpr, LATENT: tl.constexpr, LATENT_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr, ROPE_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
+    REQS: tl.constexpr,
+):
+    """One program per (token, head): causal MLA, scores `q_latent·kv_c + q_pe·k_pe`, output
+    `softmax · kv_c` (in the latent space)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    request, real, query_start, query_len = _request_of(token, query_start_loc_ptr, num_reqs,
+                                                        REQS)
+    seq_len = tl.load(seq_lens_ptr + request)
+    last_key = (seq_len - query_len + token - query_start) * real + real - 1
+
+    latent = tl.arange(0, LATENT_BLOCK)
+    latent_mask = latent < LATENT
+    rope = tl.arange(0, ROPE_BLOCK)
+    rope_mask = rope < ROPE
+    q_latent = tl.load(q_latent_ptr + token * q_token_stride + head * q_head_stride + latent,
+                       mask=latent_mask, other=0.0).to(tl.float32)
+    q_pe = tl.load(q_pe_ptr + token * pe_token_stride + head * pe_head_stride + rope,
+                   mask=rope_mask, other=0.0).to(tl.float32)
+    row_max = tl.full((), float("-inf"), tl.float32)
+    row_sum = tl.zeros((), tl.float32)
+    acc = tl.zeros((LATENT_BLOCK,), tl.float32)
+    offsets = tl.arange(0, KEYS)
+    for start in range(0, last_key + 1, KEYS):
+        positions = start + offsets
+        visible = positions <= last_key
+        blocks = tl.load(block_table_ptr + request * block_table_stride + positions // BLOCK_SIZE,
+                         mask=visible, other=0).to(tl.int64)
+        slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+        kv_c = tl.load(kv_c_cache_ptr + slots[:, None] * LATENT + latent[None, :],
+                       mask=visible[:, None] & latent_mask[None, :], other=0.0).to(tl.float32)
+        k_pe = tl.load(k_pe_cache_ptr + slots[:, None] * ROPE + rope[None, :],
+                       mask=visible[:, None] & rope_mask[None, :], other=0.0).to(tl.float32)
+        scores = (tl.sum(kv_c * q_latent[None, :], axis=1)
+                  + tl.sum(k_pe * q_pe[None, :], axis=1)) * scale
+        scores = tl.where(visible, scores, float("-inf"))
+        row_max, row_sum, acc = _online_softmax_step(scores, kv_c, row_max, row_sum, acc)
+    result = acc / tl.maximum(row_sum, 1e-30)
+    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + latent,
+             result.to(out_ptr.dtype.element_ty), mask=latent_mask)
+
+
+@triton.jit
+def _encoder_attention_kernel(
+    out_ptr, query_ptr, key_ptr, value_ptr, query_start_loc_ptr, scale, num_reqs,
+    sliding_window, q_token_stride, q_head_stride, out_token_stride, out_head_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_BLOCK: tl.constexpr, KEYS: tl.constexpr, REQS: tl.constexpr,
+):
+    """One program per (token, head): bidirectional attention within the token's request (its
+    new tokens only, no cache), key j visible when |i - j| < sliding_window."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    request, real, query_start, query_len = _request_of(token, query_start_loc_ptr, num_reqs,
+                                                        REQS)
+    first_key = tl.maximum(token - sliding_window + 1, query_start)
+    last_key = (tl.minimum(token + sliding_window, query_start + query_len) - 1) * real \
+        + (real - 1) * (2**30)  # padding: an empty range
+
+    dims = tl.arange(0, HEAD_BLOCK)
+    dim_mask = dims < HEAD_SIZE
+    query = tl.load(query_ptr + token * q_token_stride + head * q_head_stride + dims,
+                    mask=dim_mask, other=0.0).to(tl.float32)
+    row_max = tl.full((), float("-inf"), tl.float32)
+    row_sum = tl.zeros((), tl.float32)
+    acc = tl.zeros((HEAD_BLOCK,), tl.float32)
+    offsets = tl.arange(0, KEYS)
+    for start in range(first_key, last_key + 1, KEYS):
+        rows = start + offsets
+        visible = rows <= last_key
+        kv_mask = visible[:, None] & dim_mask[None, :]
+        addresses = ((rows * NUM_KV_HEADS + kv_head) * HEAD_SIZE)[:, None] + dims[None, :]
+        keys = tl.load(key_ptr + addresses, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.where(visible, tl.sum(keys * query[None, :], axis=1) * scale, float("-inf"))
+        values = tl.load(value_ptr + addresses, mask=kv_mask, other=0.0).to(tl.float32)
+        row_max, row_sum, acc = _online_softmax_step(scores, values, row_max, row_sum, acc)
+    result = acc / tl.maximum(row_sum, 1e-30)
+    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims,
+             result.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` with its last dimension contiguous (kernels take the other strides as arguments)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _keys_per_tile(block_size: int) -> int:
+    return max(16, min(64, triton.next_power_of_2(block_size)))
 
 
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -123,26 +231,64 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         return
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     block_table = metadata.block_table
+    query = _rows_contiguous(query)
     _unified_attention_kernel[(num_tokens, num_heads)](
-        out, query.contiguous(), key_cache, value_cache, block_table, metadata.seq_lens,
+        out, query, key_cache, value_cache, block_table, metadata.seq_lens,
         metadata.query_start_loc, scale, num_reqs, block_table.stride(0),
-        sliding_window or 2**30,
+        sliding_window or 2**30, *query.stride()[:2], *out.stride()[:2],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEAD_BLOCK=triton.next_power_of_2(head_size), BLOCK_SIZE=block_size,
-        KEYS=max(16, min(64, triton.next_power_of_2(block_size))),
+        KEYS=_keys_per_tile(block_size), REQS=triton.next_power_of_2(num_reqs),
+    )
+
+
+def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor,
+                  k_pe_cache: torch.Tensor, out: torch.Tensor, metadata: AttentionMetadata,
+                  scale: float) -> None:
+    """Causal paged MLA of `q_latent` `[T, H, L]`, `q_pe` `[T, H, R]` over the caches, into `out`."""
+    num_tokens, num_heads, latent = q_latent.shape
+    num_reqs = metadata.seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        out.zero_()
+        return
+    rope, block_size = q_pe.shape[-1], kv_c_cache.shape[1]
+    q_latent, q_pe = _rows_contiguous(q_latent), _rows_contiguous(q_pe)
+    _mla_attention_kernel[(num_tokens, num_heads)](
+        out, q_latent, q_pe, kv_c_cache, k_pe_cache, metadata.block_table, metadata.seq_lens,
+        metadata.query_start_loc, scale, num_reqs, metadata.block_table.stride(0),
+        *q_latent.stride()[:2], *q_pe.stride()[:2], *out.stride()[:2], NUM_HEADS=num_heads, LATENT=latent,
+        LATENT_BLOCK=triton.next_power_of_2(latent), ROPE=rope,
+        ROPE_BLOCK=triton.next_power_of_2(rope), BLOCK_SIZE=block_size,
+        KEYS=_keys_per_tile(block_size), REQS=triton.next_power_of_2(num_reqs),
+    )
+
+
+def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      out: torch.Tensor, metadata: AttentionMetadata, scale: float,
+                      sliding_window: int | None) -> None:
+    """Bidirectional attention within each request's new tokens, into `out`."""
+    num_tokens, num_heads, head_size = query.shape
+    num_reqs = metadata.query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_reqs == 0:
+        out.zero_()
+        return
+    query = _rows_contiguous(query)
+    _encoder_attention_kernel[(num_tokens, num_heads)](
+        out, query, key.contiguous(), value.contiguous(), metadata.query_start_loc,
+        scale, num_reqs, sliding_window or 2**30, *query.stride()[:2], *out.stride()[:2],
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=key.shape[1], HEAD_SIZE=head_size,
+        HEAD_BLOCK=triton.next_power_of_2(head_size), KEYS=16,
         REQS=triton.next_power_of_2(num_reqs),
     )
 
 
-class TritonBackend(TorchNativeBackend):
-    """Triton kernels for the cache write and standard (MHA/GQA/MQA) attention.
-
-    MLA and encoder-only attention are inherited from the reference backend for now; until they
-    have kernels too, full graphs are declared for uniform-decode batches only.
-    """
+class TritonBackend:
+    """Triton kernels behind every kvgraph attention op (see the module docstring)."""
 
     name = "triton"
-    graph_support = GraphSupport.UNIFORM_DECODE
+    # Launch grids depend only on tensor shapes, and lengths stay on the device.
+    graph_support = GraphSupport.ALWAYS
     device_types = ("cuda", "cpu") if interpreting() else ("cuda",)
 
     def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window,
@@ -152,3 +298,14 @@ class TritonBackend(TorchNativeBackend):
             write_rows(key_cache, key, metadata.slot_mapping)
             write_rows(value_cache, value, metadata.slot_mapping)
         unified_attention(query, key_cache, value_cache, out, metadata, scale, sliding_window)
+
+    def forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale,
+                    write_kv=True):
+        kv_c_cache, k_pe_cache = kv_cache
+        if write_kv:
+            write_rows(kv_c_cache, kv_c, metadata.slot_mapping)
+            write_rows(k_pe_cache, k_pe, metadata.slot_mapping)
+        mla_attention(q_latent, q_pe, kv_c_cache, k_pe_cache, out, metadata, scale)
+
+    def forward_encoder(self, query, key, value, out, metadata, scale, sliding_window=None):
+        encoder_attention(query, key, value, out, metadata, scale, sliding_window)

@@ -175,7 +175,8 @@ def _mla_attention_kernel(
 @triton.jit
 def _encoder_attention_kernel(
     out_ptr, query_ptr, key_ptr, value_ptr, query_start_loc_ptr, scale, num_reqs,
-    sliding_window, q_token_stride, q_head_stride, out_token_stride, out_head_stride, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    sliding_window, q_token_stride, q_head_stride, out_token_stride, out_head_stride,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr, HEAD_BLOCK: tl.constexpr, KEYS: tl.constexpr, REQS: tl.constexpr,
 ):
     """One program per (token, head): bidirectional attention within the token's request (its
@@ -245,7 +246,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor,
                   k_pe_cache: torch.Tensor, out: torch.Tensor, metadata: AttentionMetadata,
                   scale: float) -> None:
-    """Causal paged MLA of `q_latent` `[T, H, L]`, `q_pe` `[T, H, R]` over the caches, into `out`."""
+    """Causal paged MLA of `q_latent` `[T, H, L]` and `q_pe` `[T, H, R]`, into `out`."""
     num_tokens, num_heads, latent = q_latent.shape
     num_reqs = metadata.seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
@@ -256,7 +257,8 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.
     _mla_attention_kernel[(num_tokens, num_heads)](
         out, q_latent, q_pe, kv_c_cache, k_pe_cache, metadata.block_table, metadata.seq_lens,
         metadata.query_start_loc, scale, num_reqs, metadata.block_table.stride(0),
-        *q_latent.stride()[:2], *q_pe.stride()[:2], *out.stride()[:2], NUM_HEADS=num_heads, LATENT=latent,
+        *q_latent.stride()[:2], *q_pe.stride()[:2], *out.stride()[:2], NUM_HEADS=num_heads,
+        LATENT=latent,
         LATENT_BLOCK=triton.next_power_of_2(latent), ROPE=rope,
         ROPE_BLOCK=triton.next_power_of_2(rope), BLOCK_SIZE=block_size,
         KEYS=_keys_per_tile(block_size), REQS=triton.next_power_of_2(num_reqs),

@@ -78,6 +78,33 @@ def test_an_all_padding_batch_writes_nothing():
         assert_bitwise_equal(got, before, "cache")
 
 
+@pytest.mark.parametrize("kind, window", [("decode", None), ("chunked", None), ("mixed", 3)])
+def test_split_kv_matches_dense_reference(kind, window):
+    """Flash-decoding: each query's keys in 4 ranges (some empty), merged after."""
+    from kvgraph.attention.backends.triton import unified_attention, write_rows
+
+    batch = random_attention_batch(kind, 4, "gqa", dtype=torch.float32, window=window)
+    q, k, v = batch.inputs
+    key_cache, value_cache = batch.caches
+    write_rows(key_cache, k, batch.md.slot_mapping)
+    write_rows(value_cache, v, batch.md.slot_mapping)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, key_cache, value_cache, out, batch.md, batch.scale, window, num_splits=4)
+    assert_close(out, batch.ref, torch.float32)
+    check_caches(batch)
+
+
+def test_split_kv_gives_padding_tokens_zeros():
+    from kvgraph.attention.backends.triton import unified_attention
+
+    batch = random_attention_batch("decode", 4, "gqa", dtype=torch.float32)
+    md, inputs = with_padding(batch, 2)
+    q = inputs[0]
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, *batch.caches, out, md, batch.scale, None, num_splits=2)
+    assert (out[batch.num_tokens:] == 0).all() and torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("kind", ["decode", "mixed", "chunked"])
 def test_mla_matches_dense_reference(kind):
     batch = random_mla_batch(kind, 4, dtype=torch.float32)

@@ -7,9 +7,12 @@ import triton
 import triton.language as tl
 
 from kvgraph.attention.backends.triton.paged import (
+    load_head_row,
     online_softmax_step,
     request_of,
     rows_contiguous,
+    softmax_start,
+    store_head_row,
 )
 from kvgraph.attention.metadata import AttentionMetadata
 
@@ -34,11 +37,9 @@ def _encoder_attention_kernel(
 
     dims = tl.arange(0, HEAD_BLOCK)
     dim_mask = dims < HEAD_SIZE
-    query = tl.load(query_ptr + token * q_token_stride + head * q_head_stride + dims,
-                    mask=dim_mask, other=0.0).to(tl.float32)
-    row_max = tl.full((), float("-inf"), tl.float32)
-    row_sum = tl.zeros((), tl.float32)
-    acc = tl.zeros((HEAD_BLOCK,), tl.float32)
+    query = load_head_row(query_ptr, token, head, q_token_stride, q_head_stride, HEAD_SIZE,
+                          HEAD_BLOCK)
+    row_max, row_sum, acc = softmax_start(HEAD_BLOCK)
     offsets = tl.arange(0, KEYS)
     for start in range(first_key, last_key + 1, KEYS):
         rows = start + offsets
@@ -49,9 +50,8 @@ def _encoder_attention_kernel(
         scores = tl.where(visible, tl.sum(keys * query[None, :], axis=1) * scale, float("-inf"))
         values = tl.load(value_ptr + addresses, mask=kv_mask, other=0.0).to(tl.float32)
         row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc)
-    result = acc / tl.maximum(row_sum, 1e-30)
-    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims,
-             result.to(out_ptr.dtype.element_ty), mask=dim_mask)
+    store_head_row(out_ptr, acc / tl.maximum(row_sum, 1e-30), token, head, out_token_stride,
+                   out_head_stride, HEAD_SIZE, HEAD_BLOCK)
 
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

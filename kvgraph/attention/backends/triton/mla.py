@@ -8,9 +8,12 @@ import triton.language as tl
 
 from kvgraph.attention.backends.triton.paged import (
     keys_per_tile,
+    load_head_row,
     online_softmax_step,
     request_of,
     rows_contiguous,
+    softmax_start,
+    store_head_row,
 )
 from kvgraph.attention.metadata import AttentionMetadata
 
@@ -37,13 +40,10 @@ def _mla_attention_kernel(
     latent_mask = latent < LATENT
     rope = tl.arange(0, ROPE_BLOCK)
     rope_mask = rope < ROPE
-    q_latent = tl.load(q_latent_ptr + token * q_token_stride + head * q_head_stride + latent,
-                       mask=latent_mask, other=0.0).to(tl.float32)
-    q_pe = tl.load(q_pe_ptr + token * pe_token_stride + head * pe_head_stride + rope,
-                   mask=rope_mask, other=0.0).to(tl.float32)
-    row_max = tl.full((), float("-inf"), tl.float32)
-    row_sum = tl.zeros((), tl.float32)
-    acc = tl.zeros((LATENT_BLOCK,), tl.float32)
+    q_latent = load_head_row(q_latent_ptr, token, head, q_token_stride, q_head_stride, LATENT,
+                             LATENT_BLOCK)
+    q_pe = load_head_row(q_pe_ptr, token, head, pe_token_stride, pe_head_stride, ROPE, ROPE_BLOCK)
+    row_max, row_sum, acc = softmax_start(LATENT_BLOCK)
     offsets = tl.arange(0, KEYS)
     for start in range(0, last_key + 1, KEYS):
         positions = start + offsets
@@ -59,9 +59,8 @@ def _mla_attention_kernel(
                   + tl.sum(k_pe * q_pe[None, :], axis=1)) * scale
         scores = tl.where(visible, scores, float("-inf"))
         row_max, row_sum, acc = online_softmax_step(scores, kv_c, row_max, row_sum, acc)
-    result = acc / tl.maximum(row_sum, 1e-30)
-    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + latent,
-             result.to(out_ptr.dtype.element_ty), mask=latent_mask)
+    store_head_row(out_ptr, acc / tl.maximum(row_sum, 1e-30), token, head, out_token_stride,
+                   out_head_stride, LATENT, LATENT_BLOCK)
 
 
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor,

@@ -49,6 +49,31 @@ def request_of(token, query_start_loc_ptr, num_reqs, REQS: tl.constexpr):
 
 
 @triton.jit
+def load_head_row(ptr, token, head, token_stride, head_stride, SIZE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Row (token, head) of a `[T, H, SIZE]` tensor as fp32 `[BLOCK]`, zeros past SIZE."""
+    dims = tl.arange(0, BLOCK)
+    return tl.load(ptr + token * token_stride + head * head_stride + dims, mask=dims < SIZE,
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_head_row(ptr, row, token, head, token_stride, head_stride, SIZE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """Write fp32 `row` `[BLOCK]` as row (token, head) of a `[T, H, SIZE]` tensor."""
+    dims = tl.arange(0, BLOCK)
+    tl.store(ptr + token * token_stride + head * head_stride + dims,
+             row.to(ptr.dtype.element_ty), mask=dims < SIZE)
+
+
+@triton.jit
+def softmax_start(BLOCK: tl.constexpr):
+    """The running softmax before any key: (row max, row sum, weighted values `[BLOCK]`)."""
+    return (tl.full((), float("-inf"), tl.float32), tl.zeros((), tl.float32),
+            tl.zeros((BLOCK,), tl.float32))
+
+
+@triton.jit
 def online_softmax_step(scores, values, row_max, row_sum, acc):
     """Fold one tile of scores `[KEYS]` and values `[KEYS, D]` into the running softmax."""
     new_max = tl.maximum(row_max, tl.max(scores, axis=0))

@@ -8,9 +8,12 @@ import triton.language as tl
 
 from kvgraph.attention.backends.triton.paged import (
     keys_per_tile,
+    load_head_row,
     online_softmax_step,
     request_of,
     rows_contiguous,
+    softmax_start,
+    store_head_row,
 )
 from kvgraph.attention.metadata import AttentionMetadata
 
@@ -45,11 +48,9 @@ def _unified_attention_kernel(
 
     dims = tl.arange(0, HEAD_BLOCK)
     dim_mask = dims < HEAD_SIZE
-    query = tl.load(query_ptr + token * q_token_stride + head * q_head_stride + dims,
-                    mask=dim_mask, other=0.0).to(tl.float32)
-    row_max = tl.full((), float("-inf"), tl.float32)
-    row_sum = tl.zeros((), tl.float32)
-    acc = tl.zeros((HEAD_BLOCK,), tl.float32)
+    query = load_head_row(query_ptr, token, head, q_token_stride, q_head_stride, HEAD_SIZE,
+                          HEAD_BLOCK)
+    row_max, row_sum, acc = softmax_start(HEAD_BLOCK)
     offsets = tl.arange(0, KEYS)
     for start in range(first_key, last_key + 1, KEYS):
         positions = start + offsets
@@ -66,8 +67,8 @@ def _unified_attention_kernel(
         row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc)
     if NUM_SPLITS == 1:
         result = acc / tl.maximum(row_sum, 1e-30)  # no visible key: zeros, never NaN
-        tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims,
-                 result.to(out_ptr.dtype.element_ty), mask=dim_mask)
+        store_head_row(out_ptr, result, token, head, out_token_stride, out_head_stride,
+                       HEAD_SIZE, HEAD_BLOCK)
     else:
         part = (token * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(partial_ptr + part * HEAD_BLOCK + dims, acc)
@@ -92,8 +93,8 @@ def _merge_splits_kernel(out_ptr, partial_ptr, partial_stats_ptr, out_token_stri
     accs = tl.load(partial_ptr + parts[:, None] * HEAD_BLOCK + dims[None, :])
     total = tl.sum(weights * sums, axis=0)
     result = tl.sum(weights[:, None] * accs, axis=0) / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + token * out_token_stride + head * out_head_stride + dims,
-             result.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
+    store_head_row(out_ptr, result, token, head, out_token_stride, out_head_stride, HEAD_SIZE,
+                   HEAD_BLOCK)
 
 
 def num_kv_splits(num_tokens: int, num_heads: int, device: torch.device) -> int:

@@ -90,3 +90,11 @@ def test_cuda_graph_replays_into_the_buffers_it_captured():
     x.fill_(3.0)
     assert graph.replay((x,)) is captured
     torch.testing.assert_close(captured, torch.full((4,), 6.0, device="cuda"))
+
+
+def test_cuda_attention_defaults_to_triton_and_the_cpu_to_torch_native():
+    # Building the CUDA platform touches no device, so its default is checkable here.
+    from kvgraph.runtime.platforms.cuda import cuda_platform
+
+    assert cuda_platform().attention_backend == "triton"
+    assert get_platform("cpu").attention_backend == "torch_native"

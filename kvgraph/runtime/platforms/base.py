@@ -112,11 +112,12 @@ class StreamPlatform:
     """
 
     needs_warmup = True  # first runs initialise kernels and handles that capture cannot
-    attention_backend = "torch_native"
 
-    def __init__(self, name: str, module: Any, graph_class: Callable[[], Any]):
+    def __init__(self, name: str, module: Any, graph_class: Callable[[], Any],
+                 attention_backend: str = "torch_native"):
         self.name = self.device_type = name
         self.module, self.graph_class = module, graph_class
+        self.attention_backend = attention_backend
 
     def make_graph(self, check_inputs: bool) -> StreamGraph:
         return StreamGraph(self.graph_class(), self.module.graph, self.pool_bytes, check_inputs,

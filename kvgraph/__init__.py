@@ -2,12 +2,8 @@
 
 from kvgraph.attention import ops  # noqa: F401  (registers torch.ops.kvgraph.*)
 from kvgraph.attention.layer import Attention, MLAAttention
-from kvgraph.attention.metadata import (
-    AttentionMetadata,
-    RequestChunk,
-    build_attention_metadata,
-    build_model_inputs,
-)
+from kvgraph.attention.batch import build_attention_metadata, build_model_inputs
+from kvgraph.attention.metadata import AttentionMetadata, RequestChunk
 from kvgraph.compilation.backend import kvgraph_backend
 from kvgraph.compilation.trace import compile_model, mark_token_dims
 from kvgraph.config import CompilationConfig, GraphMode, add_cli_args

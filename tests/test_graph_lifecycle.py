@@ -13,7 +13,7 @@ import torch
 
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
-from kvgraph.attention.metadata import host_batch
+from kvgraph.attention.batch import host_batch
 from kvgraph.compilation.counters import compile_counters, graph_counters
 from tests.scenario import (
     BLOCK_SIZE, NUM_BLOCKS, TOLERANCE, assert_matches_eager, generate, make_model, make_runner,

@@ -150,3 +150,42 @@ def test_an_attention_backend_on_a_device_it_does_not_run_on_is_a_clear_error():
         make_runner("llama", "piecewise", attn_backend="test_cuda_only")
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         make_runner("llama", "piecewise", attn_backend="nope")
+
+
+def test_cpu_full_graphs_read_only_a_batch_s_own_keys():
+    # A CPU graph reruns Python on replay, so nothing freezes max_seq_len at max_model_len.
+    runner = make_runner("llama", "full_and_piecewise")
+    runner.capture()
+    plan = runner.dispatcher.plan([kvgraph.RequestChunk([1], 5, [3, 4])] * 1)
+    assert plan.runtime_mode is GraphMode.FULL and plan.descriptor.uniform_decode
+    assert (plan.padded_reqs, plan.max_query_len, plan.max_seq_len) == (1, 1, 6)
+
+
+@pytest.mark.parametrize("mode, backend", [("full_and_piecewise", None), ("full", "test_always")])
+def test_the_device_graphs_frozen_shapes_still_generate_what_eager_does(mode, backend):
+    """Device graphs freeze attention's host ints at their largest; emulated on the CPU."""
+    eager = make_runner("llama", "eager")
+    expected, expected_tokens = generate(eager, eager.model.config.vocab_size)
+    runner = make_runner("llama", mode, attn_backend=backend)
+    runner.dispatcher.freezes_shapes = True
+    runner.capture()
+    logits, tokens = generate(runner, runner.model.config.vocab_size)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected, **TOLERANCE)
+    plan = runner.dispatcher.plan([kvgraph.RequestChunk([1], 5, [3, 4])])
+    assert plan.max_seq_len == runner.max_model_len
+
+
+def test_every_step_input_is_a_view_of_one_buffer_that_never_moves():
+    # One buffer means one host-to-device copy a step on a device; it never moves, so graphs
+    # captured on it stay valid.
+    runner = make_runner("llama", "piecewise")
+    storage = runner.buffers.device_bytes.untyped_storage().data_ptr()
+    for chunks in ([kvgraph.RequestChunk([1, 2, 3], 0, [5])],
+                   [kvgraph.RequestChunk([4], 3, [5]), kvgraph.RequestChunk([5] * 6, 0, [7, 8])]):
+        plan = runner.dispatcher.plan(chunks)
+        input_ids, positions, metadata = runner.buffers.fill(plan)
+        tensors = [input_ids, positions, metadata.slot_mapping, metadata.block_table,
+                   metadata.seq_lens, metadata.query_start_loc]
+        assert {t.untyped_storage().data_ptr() for t in tensors} == {storage}
+    assert positions.tolist()[:7] == [3, 0, 1, 2, 3, 4, 5]

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from kvgraph.attention.backends.base import GraphSupport
-from kvgraph.attention.metadata import HostBatch, RequestChunk, host_batch
+from kvgraph.attention.batch import HostBatch, check_distinct_blocks, host_batch
+from kvgraph.attention.metadata import RequestChunk
 from kvgraph.config import GraphMode
 from kvgraph.forward_context import BatchDescriptor
 from kvgraph.runtime.step import StepLimits, StepPlan
@@ -61,11 +62,19 @@ class Dispatcher:
     Full-graph keys for uniform decode carry `num_reqs` (attention metadata shapes depend on
     it) and exist only up to `max_num_seqs`; piecewise keys carry only `num_tokens`. A key is
     dispatched to its graphs only once it is in `captured`; before, its batches run without.
+
+    `freezes_shapes`: whether a full graph freezes the host ints attention's shapes depend on.
+    A device graph does, so its steps are planned with the largest values (`max_model_len`
+    keys per request for the portable backend); a CPU graph reruns Python on replay, so its
+    steps keep their own lengths. `vocab_size`, when known, bounds the token ids.
     """
 
-    def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], limits: StepLimits):
+    def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], limits: StepLimits,
+                 freezes_shapes: bool = True, vocab_size: int | None = None):
         self.graph_mode = graph_mode
         self.limits = limits
+        self.freezes_shapes = freezes_shapes
+        self.vocab_size = vocab_size
         self.capture_sizes = tuple(sorted(capture_sizes))
         self.decode_sizes = tuple(s for s in self.capture_sizes if s <= limits.max_num_seqs)
         self.stats = DispatchStats()
@@ -79,7 +88,8 @@ class Dispatcher:
 
     def plan(self, chunks: Sequence[RequestChunk]) -> StepPlan:
         """Validate, lay out and dispatch one step; a BatchError names any limit it exceeds."""
-        batch = host_batch(chunks, self.limits.block_size)
+        batch = host_batch(chunks, self.limits.block_size, self.vocab_size)
+        check_distinct_blocks(batch)
         self.limits.check(batch)
         mode, descriptor = self.dispatch(batch.num_tokens, batch.num_reqs, batch.uniform_decode)
         return self.plan_for(batch, mode, descriptor)
@@ -87,9 +97,11 @@ class Dispatcher:
     def plan_for(self, batch: HostBatch, mode: GraphMode, descriptor: BatchDescriptor,
                  writes_cache: bool = True) -> StepPlan:
         """The plan of `batch` run as `descriptor` in `mode` (capture chooses its own)."""
-        if mode is not GraphMode.FULL:
+        if mode is GraphMode.FULL and descriptor.uniform_decode and not self.freezes_shapes:
+            shape = (descriptor.num_reqs, 1, batch.max_seq_len)
+        elif mode is not GraphMode.FULL or not self.freezes_shapes:
             shape = (batch.num_reqs, batch.max_query_len, batch.max_seq_len)
-        elif descriptor.uniform_decode:  # a full graph freezes attention's shapes: the largest
+        elif descriptor.uniform_decode:  # a device graph freezes attention's shapes: the largest
             shape = (descriptor.num_reqs, 1, self.limits.max_model_len)
         else:
             shape = (self.limits.max_num_seqs, descriptor.num_tokens, self.limits.max_model_len)

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from kvgraph.attention.backends import get_attention_backend
-from kvgraph.attention.metadata import RequestChunk, host_batch
+from kvgraph.attention.batch import host_batch
+from kvgraph.attention.metadata import RequestChunk
 from kvgraph.compilation.counters import compile_counters
 from kvgraph.compilation.trace import compile_model
 from kvgraph.config import CompilationConfig, GraphMode
@@ -41,14 +42,17 @@ class ModelRunner:
     in `dtype`, default the model's), keeps persistent inputs for up to `max_num_tokens` tokens
     and `max_num_seqs` requests, compiles the model unless the mode is `eager`, and captures
     graphs keyed by `BatchDescriptor`. `max_model_len` (default: every block, `num_blocks *
-    block_size`) bounds one sequence; a full decode graph of the portable attention backend
-    reads that many key rows per request, so set it to the longest sequence served.
+    block_size`) bounds one sequence; a full decode device graph of the portable attention
+    backend reads that many key rows per request, so set it to the longest sequence served.
+    Token ids are checked against `vocab_size` (default: the model's `config.vocab_size`, or
+    its first embedding's size).
     """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None, *,
                  num_blocks: int, block_size: int, max_num_tokens: int, max_num_seqs: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 max_model_len: int | None = None, attn_backend: str | None = None):
+                 max_model_len: int | None = None, attn_backend: str | None = None,
+                 vocab_size: int | None = None):
         self.platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
         self.device = canonical_device(device)
         self.attn_backend = attn_backend or self.platform.attention_backend
@@ -65,7 +69,8 @@ class ModelRunner:
         limits = StepLimits(max_num_tokens, max_num_seqs, self.max_model_len, num_blocks,
                             block_size)
         self.buffers = InputBuffers(limits, self.device)
-        self.dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list, limits)
+        self.dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list, limits,
+                                     self.platform.freezes_shapes, vocab_size or _vocab_size(model))
         eager = self.config.graph_mode is GraphMode.EAGER
         self.forward = model if eager else compile_model(model, self.config)
         self.graphs = GraphSet(self.platform, self.config.check_graph_inputs)
@@ -78,8 +83,7 @@ class ModelRunner:
         """
         plan = self.dispatcher.plan(chunks)
         hidden = self._run(plan)
-        last = self.buffers.query_start_loc[1:plan.batch.num_reqs + 1].long() - 1
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[self.buffers.logits_indices[:plan.batch.num_reqs]])
 
     def _run(self, plan: StepPlan) -> torch.Tensor:
         input_ids, positions, metadata = self.buffers.fill(plan)
@@ -143,3 +147,12 @@ class ModelRunner:
         """Free this runner's graphs and their pool now; later steps run without graphs."""
         self.graphs.release()
         self.dispatcher.captured.clear()
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The model's vocabulary size: `config.vocab_size`, else its first embedding's rows."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding.num_embeddings if embedding is not None else None

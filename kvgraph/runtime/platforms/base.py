@@ -95,6 +95,9 @@ class Platform(Protocol):
     device_type: str
     attention_backend: str  # the default attention backend's name
     needs_warmup: bool  # whether a batch must run once before it is captured
+    # Whether a graph freezes the host ints attention's shapes depend on (`max_seq_len`): a
+    # device graph does; the CPU graph reruns Python on replay.
+    freezes_shapes: bool
 
     def make_graph(self, check_inputs: bool) -> DeviceGraph: ...
 
@@ -112,6 +115,7 @@ class StreamPlatform:
     """
 
     needs_warmup = True  # first runs initialise kernels and handles that capture cannot
+    freezes_shapes = True
 
     def __init__(self, name: str, module: Any, graph_class: Callable[[], Any],
                  attention_backend: str = "torch_native"):

@@ -71,6 +71,7 @@ class CPUPlatform:
     device_type = "cpu"
     attention_backend = "torch_native"
     needs_warmup = False
+    freezes_shapes = False  # a replay reruns Python: attention reads only a batch's real keys
 
     def make_graph(self, check_inputs: bool) -> CPUGraph:
         return CPUGraph(check_inputs)

@@ -1,0 +1,218 @@
+"""One step's request chunks, validated and laid out as host arrays, with no loop per token.
+
+Everything a step needs on the host is computed here once, with vectorised NumPy over the
+batch's flattened token and block lists (a Python loop per request only flattens the lists).
+Validation happens first and completely: a batch that fails writes nothing and counts nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvgraph.attention.metadata import MAX_BLOCK_ID, AttentionMetadata, RequestChunk
+from kvgraph.errors import BatchError
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """One step's chunks as host arrays; each value is computed once, here."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [R + 1] int32
+    seq_lens: np.ndarray  # [R] int32
+    block_table: np.ndarray  # [R, blocks of the longest sequence] int32, unused entries 0
+    block_size: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def uniform_decode(self) -> bool:
+        return self.num_decode_tokens == self.num_tokens
+
+    def attention_metadata(self, device: torch.device | str) -> AttentionMetadata:
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
+        return AttentionMetadata(
+            slot_mapping=tensor(self.slot_mapping),
+            block_table=tensor(self.block_table),
+            seq_lens=tensor(self.seq_lens),
+            query_start_loc=tensor(self.query_start_loc),
+            block_size=self.block_size,
+            num_actual_tokens=self.num_tokens,
+            num_reqs=self.num_reqs,
+            num_decode_tokens=self.num_decode_tokens,
+            num_prefill_tokens=self.num_tokens - self.num_decode_tokens,
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+        )
+
+
+def _integers(values: list[Any], field: str, chunks: Sequence[RequestChunk]) -> np.ndarray:
+    """`values` as int64, or a BatchError naming the first chunk whose `field` is not integers."""
+    array = np.asarray(values)
+    if array.dtype.kind in "iub" and array.dtype != np.uint64:
+        return array.astype(np.int64, copy=False)
+    for i, chunk in enumerate(chunks):
+        given = getattr(chunk, field)
+        items = [given] if field == "num_computed_tokens" else list(given)
+        if np.asarray(items).dtype.kind not in "iub":
+            raise BatchError(f"chunk {i}: {field} must be integers, got {given!r}")
+    raise BatchError(f"{field} must be integers below 2**63, got {array.dtype} values")
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.argmax(mask))
+
+
+def _check_counts(query_lens: np.ndarray, computed: np.ndarray, block_counts: np.ndarray,
+                  blocks_needed: np.ndarray, seq_lens: np.ndarray, block_size: int) -> None:
+    if (query_lens == 0).any():
+        i = _first(query_lens == 0)
+        raise BatchError(f"chunk {i} has no new tokens; every chunk must add at least one")
+    if (computed < 0).any():
+        i = _first(computed < 0)
+        raise BatchError(f"chunk {i}: num_computed_tokens must be >= 0, got {computed[i]}")
+    if (block_counts < blocks_needed).any():
+        i = _first(block_counts < blocks_needed)
+        raise BatchError(
+            f"chunk {i}: a sequence of {seq_lens[i]} tokens needs {blocks_needed[i]} blocks of "
+            f"size {block_size}, but its block table has {block_counts[i]}"
+        )
+
+
+def _chunk_of(flat_index: int, counts: np.ndarray) -> int:
+    """The chunk that the `flat_index`-th item of the chunks' concatenated lists belongs to."""
+    return int(np.searchsorted(np.cumsum(counts), flat_index, side="right"))
+
+
+def _check_values(chunks: Sequence[RequestChunk], token_ids: np.ndarray,
+                  all_blocks: np.ndarray, query_lens: np.ndarray, block_counts: np.ndarray,
+                  vocab_size: int | None) -> None:
+    if vocab_size is not None:
+        bad = (token_ids < 0) | (token_ids >= vocab_size)
+        if bad.any():
+            i = _chunk_of(_first(bad), query_lens)
+            raise BatchError(f"chunk {i}: token_ids must lie in [0, vocab_size={vocab_size}), "
+                             f"got {token_ids[_first(bad)]}")
+    bad = (all_blocks < 0) | (all_blocks >= MAX_BLOCK_ID)
+    if bad.any():
+        i = _chunk_of(_first(bad), block_counts)
+        raise BatchError(f"chunk {i}: block ids must lie in [0, {MAX_BLOCK_ID}), got "
+                         f"{list(chunks[i].block_ids)}")
+
+
+def _positions(query_lens: np.ndarray, computed: np.ndarray, query_start_loc: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's request and its position in that request's sequence."""
+    request_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    tokens = np.arange(int(query_start_loc[-1]))
+    return request_of_token, computed[request_of_token] + tokens - query_start_loc[request_of_token]
+
+
+def _query_start_loc(query_lens: np.ndarray) -> np.ndarray:
+    query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    return query_start_loc
+
+
+def host_batch(chunks: Sequence[RequestChunk], block_size: int,
+               vocab_size: int | None = None) -> HostBatch:
+    """Validate `chunks` (token ids below `vocab_size` when given) and lay them out."""
+    if block_size < 1:
+        raise BatchError(f"block_size must be >= 1, got {block_size}")
+    if len(chunks) == 0:
+        raise BatchError("a batch needs at least one RequestChunk, got none")
+    query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+    computed = _integers([c.num_computed_tokens for c in chunks], "num_computed_tokens", chunks)
+    block_counts = np.fromiter((len(c.block_ids) for c in chunks), np.int64, len(chunks))
+    seq_lens = computed + query_lens
+    blocks_needed = -(-seq_lens // block_size)
+    _check_counts(query_lens, computed, block_counts, blocks_needed, seq_lens, block_size)
+
+    chain = itertools.chain.from_iterable
+    token_ids = _integers(list(chain(c.token_ids for c in chunks)), "token_ids", chunks)
+    all_blocks = _integers(list(chain(c.block_ids for c in chunks)), "block_ids", chunks)
+    starts = np.cumsum(block_counts) - block_counts
+    used = np.arange(int(blocks_needed.max()))
+    in_use = used < blocks_needed[:, None]  # [R, W]: block j of request r is used
+    used_blocks = all_blocks[(starts[:, None] + used)[in_use]]
+    _check_values(chunks, token_ids, all_blocks, query_lens, block_counts, vocab_size)
+    return _lay_out(token_ids, query_lens, computed, seq_lens, used_blocks, in_use, block_size)
+
+
+def _lay_out(token_ids: np.ndarray, query_lens: np.ndarray, computed: np.ndarray,
+             seq_lens: np.ndarray, used_blocks: np.ndarray, in_use: np.ndarray,
+             block_size: int) -> HostBatch:
+    block_table = np.zeros(in_use.shape, dtype=np.int32)
+    block_table[in_use] = used_blocks
+    query_start_loc = _query_start_loc(query_lens)
+    request_of_token, positions = _positions(query_lens, computed, query_start_loc)
+    slot_mapping = (block_table[request_of_token, positions // block_size].astype(np.int64)
+                    * block_size + positions % block_size)
+    return HostBatch(
+        input_ids=token_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens.astype(np.int32),
+        block_table=block_table,
+        block_size=block_size,
+        num_decode_tokens=int((query_lens == 1).sum()),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
+def check_distinct_blocks(batch: HostBatch) -> None:
+    """Refuse a batch whose requests use one block twice: they would overwrite each other.
+
+    Not part of `host_batch`: dummy batches (graph capture, encoder-only models) may share a
+    block they never write.
+    """
+    in_use = np.arange(batch.block_table.shape[1]) < -(-batch.seq_lens[:, None] // batch.block_size)
+    used = batch.block_table[in_use]
+    ordered = np.sort(used)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeated):
+        block = int(repeated[0])
+        owners = np.nonzero(batch.block_table == block)[0][in_use[batch.block_table == block]]
+        raise BatchError(
+            f"block_ids: block {block} is used more than once, by chunks {owners.tolist()}; a "
+            f"block holds one sequence's tokens, so the blocks of a batch must be distinct"
+        )
+
+
+def build_attention_metadata(
+    chunks: Sequence[RequestChunk], block_size: int, device: torch.device | str = "cpu"
+) -> AttentionMetadata:
+    """Build the metadata for one step from its request chunks (validated, on `device`)."""
+    return host_batch(chunks, block_size).attention_metadata(device)
+
+
+def build_model_inputs(
+    chunks: Sequence[RequestChunk], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat `input_ids` and `positions` of a batch, in the same token order as its metadata."""
+    query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
+    computed = _integers([c.num_computed_tokens for c in chunks], "num_computed_tokens", chunks)
+    token_ids = _integers(list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
+                          "token_ids", chunks)
+    _, positions = _positions(query_lens, computed, _query_start_loc(query_lens))
+    return torch.from_numpy(token_ids).to(device), torch.from_numpy(positions).to(device)

@@ -86,8 +86,7 @@ def test_split_kv_matches_dense_reference(kind, window):
     batch = random_attention_batch(kind, 4, "gqa", dtype=torch.float32, window=window)
     q, k, v = batch.inputs
     key_cache, value_cache = batch.caches
-    write_rows(key_cache, k, batch.md.slot_mapping)
-    write_rows(value_cache, v, batch.md.slot_mapping)
+    write_rows([key_cache, value_cache], (k, v), batch.md.slot_mapping)
     out = torch.full_like(q, float("nan"))
     unified_attention(q, key_cache, value_cache, out, batch.md, batch.scale, window, num_splits=4)
     assert_close(out, batch.ref, torch.float32)

@@ -36,19 +36,15 @@ class TritonBackend:
 
     def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window,
                 write_kv=True):
-        key_cache, value_cache = kv_cache
         if write_kv:
-            write_rows(key_cache, key, metadata.slot_mapping)
-            write_rows(value_cache, value, metadata.slot_mapping)
-        unified_attention(query, key_cache, value_cache, out, metadata, scale, sliding_window)
+            write_rows(kv_cache, (key, value), metadata.slot_mapping)
+        unified_attention(query, kv_cache[0], kv_cache[1], out, metadata, scale, sliding_window)
 
     def forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale,
                     write_kv=True):
-        kv_c_cache, k_pe_cache = kv_cache
         if write_kv:
-            write_rows(kv_c_cache, kv_c, metadata.slot_mapping)
-            write_rows(k_pe_cache, k_pe, metadata.slot_mapping)
-        mla_attention(q_latent, q_pe, kv_c_cache, k_pe_cache, out, metadata, scale)
+            write_rows(kv_cache, (kv_c, k_pe), metadata.slot_mapping)
+        mla_attention(q_latent, q_pe, kv_cache[0], kv_cache[1], out, metadata, scale)
 
     def forward_encoder(self, query, key, value, out, metadata, scale, sliding_window=None):
         encoder_attention(query, key, value, out, metadata, scale, sliding_window)

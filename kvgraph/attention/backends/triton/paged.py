@@ -9,11 +9,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _write_rows_kernel(cache_ptr, values_ptr, slot_mapping_ptr, row_size, values_stride,
-                       ROW: tl.constexpr):
-    """Row `values[t]` into cache row `slot_mapping[t]`; slot -1 (padding) writes nothing."""
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token)
+def _write_row(cache_ptr, values_ptr, token, slot, row_size, values_stride, ROW: tl.constexpr):
+    """Row `values[token]` into cache row `slot`; slot -1 (padding) writes nothing."""
     cols = tl.arange(0, ROW)
     mask = cols < tl.where(slot >= 0, row_size, 0)
     row = tl.load(values_ptr + token * values_stride + cols, mask=mask)
@@ -21,17 +18,36 @@ def _write_rows_kernel(cache_ptr, values_ptr, slot_mapping_ptr, row_size, values
     tl.store(cache_ptr + target + cols, row.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_rows(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write `values` `[T, *row]` into `cache` `[num_blocks, block_size, *row]` at the slots."""
-    num_tokens = values.shape[0]
+@triton.jit
+def _write_rows_kernel(first_cache_ptr, first_ptr, first_size, first_stride,
+                       second_cache_ptr, second_ptr, second_size, second_stride,
+                       slot_mapping_ptr, FIRST: tl.constexpr, SECOND: tl.constexpr):
+    """One token's rows into both caches of a layer (keys and values, or MLA's two parts)."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)
+    _write_row(first_cache_ptr, first_ptr, token, slot, first_size, first_stride, FIRST)
+    _write_row(second_cache_ptr, second_ptr, token, slot, second_size, second_stride, SECOND)
+
+
+def _rows(values: torch.Tensor) -> torch.Tensor:
+    """`values` `[T, *row]` as `[T, row]` with contiguous rows."""
+    values = values.reshape(values.shape[0], -1)
+    return values if values.stride(1) == 1 else values.contiguous()
+
+
+def write_rows(caches: list[torch.Tensor], values: tuple[torch.Tensor, torch.Tensor],
+               slot_mapping: torch.Tensor) -> None:
+    """Write each of `values` `[T, *row]` into its cache `[num_blocks, block_size, *row]` at the
+    slots, in one launch for the pair."""
+    num_tokens = values[0].shape[0]
     if num_tokens == 0:
         return
-    values = values.reshape(num_tokens, -1)
-    if values.stride(1) != 1:
-        values = values.contiguous()
-    row_size = values.shape[1]
-    _write_rows_kernel[(num_tokens,)](cache, values, slot_mapping, row_size, values.stride(0),
-                                      ROW=triton.next_power_of_2(row_size))
+    first, second = (_rows(v) for v in values)
+    _write_rows_kernel[(num_tokens,)](
+        caches[0], first, first.shape[1], first.stride(0),
+        caches[1], second, second.shape[1], second.stride(0), slot_mapping,
+        FIRST=triton.next_power_of_2(first.shape[1]), SECOND=triton.next_power_of_2(second.shape[1]),
+    )
 
 
 @triton.jit

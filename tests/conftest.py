@@ -2,6 +2,7 @@
 Dynamo state fixtures. Shared helpers (models, schedules, `dynamo_capture`) are in
 tests/scenario.py, the attention references in tests/attention_reference.py."""
 
+import logging
 import os
 
 # Without an NVIDIA GPU, Triton kernels run in Triton's CPU interpreter (set before Triton
@@ -53,3 +54,32 @@ def fresh_compile_state():
     _reset_compile_state()
     yield
     _reset_compile_state()
+
+
+class _CaptureFailures(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("kvgraph: capturing"):
+            self.messages.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def captures_never_fail_silently(request):
+    """A failed capture only warns (the runner goes on without that graph), so a parity test
+    would still pass with graphs missing: here it fails the test, unless the test asks for
+    `allow_capture_failures`."""
+    handler = _CaptureFailures()
+    logger = logging.getLogger("kvgraph.runtime.runner")
+    logger.addHandler(handler)
+    yield
+    logger.removeHandler(handler)
+    if "allow_capture_failures" not in request.fixturenames:
+        assert not handler.messages, handler.messages
+
+
+@pytest.fixture
+def allow_capture_failures():
+    """Marks a test that makes captures fail on purpose."""

@@ -112,6 +112,15 @@ class GraphSet:
                      entry.capture_seconds, entry.memory_bytes)
         return outputs
 
+    def discard(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
+        """Drop every graph of one descriptor (what a failed capture left of its pieces)."""
+        key = graph_key(mode, descriptor)
+        for index, entry in list(self.entries.items()):
+            if entry.key == key:
+                entry.graph.reset()
+                graph_counters.graph_bytes -= entry.memory_bytes
+                del self.entries[index]
+
     def memory_by_descriptor(self) -> dict[str, int]:
         """Bytes each descriptor's graphs hold (what their captures added to the pool)."""
         totals: dict[str, int] = collections.Counter()

@@ -28,7 +28,7 @@ from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.kv_cache.spec import allocate_kv_caches, attention_layers, kv_cache_specs
 from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
-from kvgraph.runtime.graphs import GraphSet
+from kvgraph.runtime.graphs import GraphSet, graph_key
 from kvgraph.runtime.platforms import get_platform
 from kvgraph.runtime.step import InputBuffers, StepLimits, StepPlan
 
@@ -96,7 +96,9 @@ class ModelRunner:
         """Capture every graph the mode asks for, largest first; returns a summary.
 
         The summary counts the graphs this call captured and its seconds; `bytes` and
-        `bytes_by_descriptor` are what all of this runner's graphs hold.
+        `bytes_by_descriptor` are what all of this runner's graphs hold. A descriptor whose
+        capture fails is listed in `failed` and logged; its batches run without graphs and
+        the other descriptors are captured as usual.
         """
         from tqdm import tqdm
 
@@ -104,21 +106,35 @@ class ModelRunner:
                 if key not in self.dispatcher.captured]
         before = len(self.graphs.entries)
         start = time.perf_counter()
+        failed = []
         with self.graphs.capture_phase():
             for mode, descriptor in tqdm(keys, desc="kvgraph capture", disable=not keys,
                                          leave=False):
-                self._capture_one(mode, descriptor)
-                self.dispatcher.captured.add((mode, descriptor))
+                if self._capture_or_warn(mode, descriptor):
+                    self.dispatcher.captured.add((mode, descriptor))
+                else:
+                    failed.append(graph_key(mode, descriptor))
         held = self.graphs.snapshot()
         summary = {
             "graphs": held["captures"] - before,
             "seconds": time.perf_counter() - start,
             "bytes": held["graph_bytes"],
             "bytes_by_descriptor": held["bytes_by_descriptor"],
+            "failed": failed,
         }
         logger.info("kvgraph: captured %d graphs in %.2f s; this runner's graphs hold %.1f MiB",
                     summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
         return summary
+
+    def _capture_or_warn(self, mode: GraphMode, descriptor: BatchDescriptor) -> bool:
+        try:
+            self._capture_one(mode, descriptor)
+            return True
+        except Exception as error:  # noqa: BLE001 - one descriptor's failure costs only its graph
+            self.graphs.discard(mode, descriptor)
+            logger.warning("kvgraph: capturing %s failed (%s: %s); its batches will run without "
+                           "graphs", graph_key(mode, descriptor), type(error).__name__, error)
+            return False
 
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
         # A dummy batch of one-token requests shaped like the descriptor's real batches; it

@@ -1,0 +1,55 @@
+"""A capture that fails costs its descriptor its graph, never the runner: the failure is
+logged, that descriptor's batches run without graphs, every other graph is captured and used.
+
+The failure is real, not patched into kvgraph: an attention backend whose kernels cannot be
+recorded at one batch size (as a kernel with a workspace too large for the graph pool).
+"""
+
+import logging
+
+import pytest
+import torch
+
+from kvgraph.attention.backends import register_attention_backend
+from kvgraph.attention.backends.torch_native import TorchNativeBackend
+from kvgraph.forward_context import get_forward_context
+from tests.scenario import TOLERANCE, generate, make_runner
+
+FAILING_SIZE = 4
+
+
+class CannotCaptureFourTokens(TorchNativeBackend):
+    name = "test_cannot_capture_four"
+
+    def forward(self, query, *args, **kwargs):
+        graphs = get_forward_context().graphs
+        if graphs is not None and graphs.capturing and query.shape[0] == FAILING_SIZE:
+            raise RuntimeError("out of memory while recording the graph (test backend)")
+        return super().forward(query, *args, **kwargs)
+
+
+register_attention_backend(CannotCaptureFourTokens)
+
+
+@pytest.mark.usefixtures("fresh_compile_state", "allow_capture_failures")
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_a_failed_capture_runs_without_its_graph_and_the_rest_keep_working(mode, caplog):
+    eager = make_runner("llama", "eager")
+    expected, expected_tokens = generate(eager, eager.model.config.vocab_size)
+    runner = make_runner("llama", mode, attn_backend=CannotCaptureFourTokens.name)
+    with caplog.at_level(logging.WARNING, logger="kvgraph"):
+        summary = runner.capture()
+    failed = [key for key in summary["failed"]]
+    assert failed and all(f"num_tokens={FAILING_SIZE}," in key for key in failed), failed
+    assert any("capturing" in r.getMessage() and "out of memory" in r.getMessage()
+               for r in caplog.records)
+    held = runner.stats()["graphs"]["bytes_by_descriptor"]
+    assert not any(f"num_tokens={FAILING_SIZE}," in key for key in held), "nothing half-captured"
+    assert len(held) == len(runner.dispatcher.captured) > 0
+
+    logits, tokens = generate(runner, runner.model.config.vocab_size)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected, **TOLERANCE)
+    stats = runner.stats()
+    assert stats["uncaptured"] > 0, "the failed descriptor's batches ran without graphs"
+    assert stats["graphs"]["replays"] > 0, "the other graphs are used"

@@ -7,7 +7,14 @@ from kvgraph.attention.metadata import AttentionMetadata, RequestChunk
 from kvgraph.compilation.backend import kvgraph_backend
 from kvgraph.compilation.trace import compile_model, mark_token_dims
 from kvgraph.config import CompilationConfig, GraphMode, add_cli_args
-from kvgraph.errors import BatchError, ForwardContextError, GraphError, KVCacheError, PlatformError
+from kvgraph.errors import (
+    BatchError,
+    ConfigError,
+    ForwardContextError,
+    GraphError,
+    KVCacheError,
+    PlatformError,
+)
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.kv_cache.spec import (
@@ -49,6 +56,7 @@ __all__ = [
     "ModelRunner",
     # errors
     "BatchError",
+    "ConfigError",
     "ForwardContextError",
     "GraphError",
     "KVCacheError",

@@ -1,7 +1,8 @@
 """How kvgraph compiles and runs a model: graph modes and one frozen, validated config.
 
 The same settings come from `torch.compile(options=...)`, `KVGRAPH_*` environment variables
-and command-line flags; each source is parsed here and nowhere else.
+and command-line flags; their strings are parsed in kvgraph/config_sources.py, and every value,
+whatever its source, is checked here, in the constructor.
 """
 
 from __future__ import annotations
@@ -10,22 +11,25 @@ import argparse
 import dataclasses
 import enum
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from kvgraph.attention.op_names import ATTENTION_OPS
+from kvgraph.cache_dir import check_cache_dir
+from kvgraph.config_sources import build, env_settings
+from kvgraph.errors import ConfigError
 from passes import REGISTERED_PASSES
 
 PIECE_COMPILERS = ("inductor", "eager")
+# What happens to a piece inductor fails to build: run it uncompiled (with a warning), or raise.
+ON_COMPILE_ERROR = ("eager", "raise")
 PASSES = tuple(REGISTERED_PASSES)
 # torch.compile's modes kvgraph accepts; "reduce-overhead" (graphs on) is refused: kvgraph's
 # graphs are chosen by graph_mode, and inductor must never add graphs of its own.
 TORCH_COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
-ENV_PREFIX = "KVGRAPH_"
-# DESIGN.md names the dump variable without the `_PATH` suffix.
-ENV_ALIASES = {"debug_dump_path": "KVGRAPH_DEBUG_DUMP"}
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +58,15 @@ class GraphMode(enum.Enum):
     def parse(cls, value: GraphMode | str) -> GraphMode:
         if isinstance(value, cls):
             return value
+        valid = [m.value for m in cls]
+        if not isinstance(value, str):
+            raise ConfigError("graph_mode", f"graph_mode: expected a GraphMode or one of {valid}, "
+                              f"got {value!r} ({type(value).__name__})")
         try:
-            return cls(str(value).lower())
+            return cls(value.lower())
         except ValueError:
-            raise ValueError(
-                f"unknown graph_mode {value!r}; valid: {[m.value for m in cls]}"
-            ) from None
+            raise ConfigError("graph_mode",
+                              f"unknown graph_mode {value!r}; valid: {valid}") from None
 
 
 def default_cache_dir() -> str:
@@ -69,10 +76,13 @@ def default_cache_dir() -> str:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """Every setting of compilation and graph capture, validated on construction.
+    """Every setting of compilation and graph capture, checked (types and values) on construction.
 
-    `capture_sizes` None means the default list for `max_num_tokens` (see `capture_size_list`).
+    `capture_sizes` None means the default list for `max_num_tokens` (see `capture_size_list`);
+    an empty one is allowed only where no graphs are captured (graph_mode "eager" or "none").
     `compile_sizes` get a static build each; other sizes run the general (dynamic) build.
+    `on_compile_error`: what a piece that inductor fails to build does ("eager": runs uncompiled,
+    with a warning; "raise": the error propagates).
     """
 
     graph_mode: GraphMode = GraphMode.PIECEWISE
@@ -88,39 +98,29 @@ class CompilationConfig:
     debug_dump_path: str | None = None
     check_guards: bool = False
     check_graph_inputs: bool = False
+    on_compile_error: str = "eager"
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        set_("graph_mode", GraphMode.parse(self.graph_mode))
+        for name, check in _CHECKS.items():
+            object.__setattr__(self, name, check(name, getattr(self, name)))
         for name in ("capture_sizes", "compile_sizes"):
-            sizes = getattr(self, name)
-            if sizes is not None:
-                set_(name, _check_sizes(name, sizes, self.max_num_tokens))
-        set_("splitting_ops", tuple(self.splitting_ops))
-        set_("passes", tuple(self.passes))
+            bad = [s for s in getattr(self, name) or () if not 1 <= s <= self.max_num_tokens]
+            if bad:
+                raise ConfigError(name, f"{name} must lie in [1, max_num_tokens="
+                                  f"{self.max_num_tokens}], got {bad}")
         if not self.splitting_ops and self.graph_mode.has_piecewise_graphs:
             # Nothing to split at: the one piece is the whole forward, attention inside, which
             # is a full graph per descriptor (vLLM does the same).
             logger.warning("kvgraph: splitting_ops is empty, so graph_mode %r captures the whole "
                            "forward per descriptor: it runs as 'full'", self.graph_mode.value)
-            set_("graph_mode", GraphMode.FULL)
-        if self.max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
-        _check_choice("piece_compiler", self.piece_compiler, PIECE_COMPILERS)
-        if self.mode == "reduce-overhead":
-            raise ValueError(
-                "mode='reduce-overhead' (torch.compile's graphs) is not a kvgraph mode: kvgraph "
-                "captures graphs itself, as graph_mode says (piecewise by default; "
-                "full_and_piecewise for full decode graphs)")
-        _check_choice("mode", self.mode, TORCH_COMPILE_MODES)
-        for name in self.passes:
-            _check_choice("passes", name, PASSES)
-        for op in self.splitting_ops:
-            namespace, _, name = op.partition("::")
-            if not namespace or not name or "::" in name or "." in name:
-                raise ValueError(
-                    f"splitting_ops entries are 'namespace::op' (no overload), got {op!r}"
-                )
+            object.__setattr__(self, "graph_mode", GraphMode.FULL)
+        if self.capture_sizes == () and self.graph_mode not in (GraphMode.EAGER, GraphMode.NONE):
+            raise ConfigError("capture_sizes", f"capture_sizes is empty, so graph_mode "
+                              f"{self.graph_mode.value!r} would capture no graph: for no graphs "
+                              "use graph_mode='none' (compiled) or 'eager'; for the default "
+                              "sizes leave capture_sizes unset")
+        if self.uses_compile_cache:
+            check_cache_dir(self.cache_dir)
 
     @property
     def capture_size_list(self) -> tuple[int, ...]:
@@ -134,109 +134,147 @@ class CompilationConfig:
         return tuple(sorted(set(sizes)))
 
     @property
+    def uses_compile_cache(self) -> bool:
+        """Whether compiling reads and writes `cache_dir` (only inductor's builds are kept)."""
+        return (self.use_compile_cache and self.piece_compiler == "inductor"
+                and self.graph_mode is not GraphMode.EAGER)
+
+    @property
     def inductor_options(self) -> dict[str, Any]:
         return {"max_autotune": True} if self.mode.startswith("max-autotune") else {}
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, **overrides: Any) -> CompilationConfig:
-        """A config from `torch.compile(options=...)`-style keys (field names), strings allowed."""
-        values = {**(options or {}), **overrides}
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ValueError(f"unknown kvgraph option(s) {unknown}; valid: {sorted(fields)}")
-        return cls(**{k: _parse_value(k, v) for k, v in values.items()})
+        """A config from `torch.compile(options=...)`-style keys (field names), strings allowed.
+
+        `cache_dir` None or blank means the default cache dir.
+        """
+        return build(cls, {k: (v, None) for k, v in {**(options or {}), **overrides}.items()})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CompilationConfig:
         """A config from `KVGRAPH_<FIELD>` variables (`KVGRAPH_DEBUG_DUMP` for the dump path)."""
-        environ = os.environ if environ is None else environ
-        values = {}
-        for f in dataclasses.fields(cls):
-            name = ENV_ALIASES.get(f.name, ENV_PREFIX + f.name.upper())
-            if name in environ:
-                values[f.name] = environ[name]
-        return cls.from_options(values, **overrides)
+        given = env_settings(_FIELD_NAMES, os.environ if environ is None else environ)
+        return build(cls, {**given, **{k: (v, None) for k, v in overrides.items()}})
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None
                       ) -> CompilationConfig:
         """A config from `add_cli_args` flags; flags not given fall back to the environment."""
-        given = {
-            field: getattr(args, dest)
-            for field, dest in _CLI_FIELDS.items()
-            if getattr(args, dest, None) is not None
-        }
-        return cls.from_env(environ, **{k: _parse_value(k, v) for k, v in given.items()})
+        flags = {field: (getattr(args, dest), "--" + dest.replace("_", "-"))
+                 for field, dest in _CLI_FIELDS.items() if getattr(args, dest, None) is not None}
+        given = env_settings(_FIELD_NAMES, os.environ if environ is None else environ)
+        return build(cls, {**given, **flags})
 
     def replace(self, **changes: Any) -> CompilationConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}: {value!r} is not one of {list(choices)}")
+# --- checks of one field each: the value as stored, or a ConfigError naming the field ---------
+
+COLLECTIONS = (list, tuple, set, frozenset, range)
+STRINGS_HINT = ("; strings are parsed only by CompilationConfig.from_options, from_env and "
+                "from_cli_args (e.g. '1,2,4')")
 
 
-def _check_sizes(name: str, sizes: Any, max_num_tokens: int) -> tuple[int, ...]:
-    sizes = tuple(sorted(set(int(s) for s in sizes)))
-    bad = [s for s in sizes if not 1 <= s <= max_num_tokens]
+def _got(value: Any) -> str:
+    return f"got {value!r} ({type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(name, f"{name}: expected True or False, {_got(value)}")
+    return value
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise ConfigError(name, f"{name}: expected an int >= 1, {_got(value)}")
+    return int(value)
+
+
+def _sizes(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, COLLECTIONS):
+        hint = STRINGS_HINT if isinstance(value, str) else ""
+        raise ConfigError(name, f"{name}: expected a tuple or list of ints, {_got(value)}{hint}")
+    bad = [s for s in value if not _is_int(s)]
     if bad:
-        raise ValueError(f"{name} must lie in [1, max_num_tokens={max_num_tokens}], got {bad}")
-    return sizes
+        raise ConfigError(name, f"{name}: expected ints, got {bad[0]!r} ({type(bad[0]).__name__}) "
+                          f"in {value!r}")
+    return tuple(sorted({int(s) for s in value}))
 
 
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    return lambda name, value: None if value is None else check(name, value)
 
 
-def _parse_list(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        return tuple(v.strip() for v in value.split(",") if v.strip())
+def _names(name: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(name, f"{name}: expected a tuple or list of str, {_got(value)}")
     return tuple(value)
 
 
-def _parse_sizes(value: Any) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in _parse_list(value))
-    except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {value!r}") from None
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(name, f"{name}: {value!r} is not one of {list(choices)}")
+        return value
+    return check
 
 
-def _parse_optional_str(value: Any) -> str | None:
-    return None if value in (None, "") else str(value)
+def _passes(name: str, value: Any) -> tuple[str, ...]:
+    return tuple(_choice(PASSES)(name, v) for v in _names(name, value))
 
 
-_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "graph_mode": GraphMode.parse,
-    "max_num_tokens": int,
-    "capture_sizes": lambda v: None if v in (None, "", "auto") else _parse_sizes(v),
-    "compile_sizes": _parse_sizes,
-    "piece_compiler": str,
-    "splitting_ops": _parse_list,
-    "passes": _parse_list,
-    "mode": str,
-    "use_compile_cache": _parse_bool,
-    "cache_dir": lambda v: os.path.expanduser(str(v)),
-    "debug_dump_path": _parse_optional_str,
-    "check_guards": _parse_bool,
-    "check_graph_inputs": _parse_bool,
+def _splitting_ops(name: str, value: Any) -> tuple[str, ...]:
+    for op in _names(name, value):
+        namespace, _, op_name = op.partition("::")
+        if not namespace or not op_name or "::" in op_name or "." in op_name:
+            raise ConfigError(name, f"splitting_ops entries are 'namespace::op' (no overload), "
+                              f"got {op!r}")
+    return tuple(value)
+
+
+def _mode(name: str, value: Any) -> str:
+    if value == "reduce-overhead":
+        raise ConfigError(name, "mode='reduce-overhead' (torch.compile's graphs) is not a kvgraph "
+                          "mode: kvgraph captures graphs itself, as graph_mode says (piecewise by "
+                          "default; full_and_piecewise for full decode graphs)")
+    return _choice(TORCH_COMPILE_MODES)(name, value)
+
+
+def _path(name: str, value: Any) -> str:
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str) or not path:
+        raise ConfigError(name, f"{name}: expected a path (a non-empty str or os.PathLike), "
+                          f"{_got(value)}; leave it out for the default")
+    return os.path.expanduser(path)
+
+
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "graph_mode": lambda name, value: GraphMode.parse(value),
+    "max_num_tokens": _positive_int,
+    "capture_sizes": _optional(_sizes),
+    "compile_sizes": _sizes,
+    "piece_compiler": _choice(PIECE_COMPILERS),
+    "splitting_ops": _splitting_ops,
+    "passes": _passes,
+    "mode": _mode,
+    "use_compile_cache": _bool,
+    "cache_dir": _path,
+    "debug_dump_path": _optional(_path),
+    "check_guards": _bool,
+    "check_graph_inputs": _bool,
+    "on_compile_error": _choice(ON_COMPILE_ERROR),
 }
+_FIELD_NAMES = list(_CHECKS)
 
 
-def _parse_value(field: str, value: Any) -> Any:
-    try:
-        return _PARSERS[field](value)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"bad value for {field}: {error}") from None
-
+# --- command-line flags ------------------------------------------------------------------------
 
 # CLI flag dest -> config field; every flag defaults to None so the environment can fill in.
 _CLI_FIELDS = {
@@ -250,6 +288,7 @@ _CLI_FIELDS = {
     "debug_dump_path": "debug_dump_path",
     "check_guards": "check_guards",
     "check_graph_inputs": "check_graph_inputs",
+    "on_compile_error": "on_compile_error",
 }
 
 
@@ -263,6 +302,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--compile-sizes", help="comma-separated token counts to build statically")
     group.add_argument("--piece-compiler", choices=PIECE_COMPILERS,
                        help="what compiles the pieces between attention ops")
+    group.add_argument("--on-compile-error", choices=ON_COMPILE_ERROR,
+                       help="a piece inductor fails to build: run it uncompiled (eager, the "
+                            "default, with a warning) or raise")
     group.add_argument("--compile-cache-dir", help="where compiled artifacts are kept")
     group.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse compiled artifacts across processes (default on)")

@@ -19,3 +19,15 @@ class PlatformError(RuntimeError):
 
 class GraphError(RuntimeError):
     """A captured graph was replayed in a way that breaks the graph contract."""
+
+
+class ConfigError(ValueError):
+    """A setting (a config field, option, flag or `KVGRAPH_*` variable) cannot be used as given.
+
+    `field` names the setting; the message says what was expected, what came and how to fix it.
+    Also raised for a compile cache dir that kvgraph may not trust (see kvgraph/cache_dir.py).
+    """
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field

@@ -212,16 +212,15 @@ def test_bad_options_name_the_valid_ones():
     with pytest.raises(BackendCompilerFailed) as info:  # Dynamo's wrapper of a backend's error
         compiled(torch.ones(2, 2))
     error = info.value.inner_exception
-    assert type(error) is ValueError
+    assert type(error) is kvgraph.errors.ConfigError
     assert re.fullmatch(r"unknown kvgraph option\(s\) \['graph_mod'\]; valid: \[.*'graph_mode'.*\]",
                         str(error)), str(error)
     compiled = torch.compile(model, backend="kvgraph", options={"graph_mode": "fast"})
     with pytest.raises(BackendCompilerFailed) as info:
         compiled(torch.ones(2, 2))
     error = info.value.inner_exception
-    assert type(error) is ValueError
-    assert str(error) == ("bad value for graph_mode: unknown graph_mode 'fast'; valid: "
-                          f"{[mode.value for mode in GraphMode]}")
+    assert type(error) is kvgraph.errors.ConfigError
+    assert str(error) == f"unknown graph_mode 'fast'; valid: {[mode.value for mode in GraphMode]}"
 
 
 def test_mode_reaches_the_config(monkeypatch):

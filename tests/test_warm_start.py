@@ -1,5 +1,7 @@
-"""The compile cache across processes: warm starts, damaged artifacts, concurrent writers."""
+"""The compile cache across processes: warm starts, damaged artifacts, concurrent writers, a
+read-only cache."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -9,19 +11,33 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+PR_CAPBSET_DROP = 24
+CAP_DAC_OVERRIDE = 1
 
 
-def start(cache_dir) -> subprocess.Popen:
+def _drop_dac_override() -> None:
+    """In a child of root, before exec: drop the capability that writes through permissions."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE)")
+
+
+def start(cache_dir, bound_by_permissions: bool = False) -> subprocess.Popen:
+    """A worker process; `bound_by_permissions`: one that chmod binds even when run as root."""
+    drop = bound_by_permissions and os.geteuid() == 0
     return subprocess.Popen(
         [sys.executable, "-m", "tests.warm_start_worker", str(cache_dir)], cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=_drop_dac_override if drop else None,
     )
 
 
-def finish(process: subprocess.Popen) -> dict:
+def finish(process: subprocess.Popen, stderr: list | None = None) -> dict:
     out, err = process.communicate(timeout=600)
     assert process.returncode == 0, err[-3000:]
+    if stderr is not None:
+        stderr.append(err)
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -53,4 +69,20 @@ def test_cold_concurrent_then_warm_then_damaged(tmp_path):
     assert repaired["counters"]["builds"] == 1
     assert repaired["counters"]["cache_hits"] == len(saved) - 1
     assert repaired["logits"] == pytest.approx(cold[0]["logits"], abs=1e-5)
+    assert artifacts(tmp_path) == saved
+
+    # A read-only warm cache, which the worker cannot write: it loads, builds nothing, warns once.
+    paths = [Path(tmp_path), *Path(tmp_path).rglob("*")]
+    for path in paths:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        stderr = []
+        read_only = finish(start(tmp_path, bound_by_permissions=True), stderr)
+    finally:
+        for path in paths:
+            path.chmod(0o700 if path.is_dir() else 0o600)
+    assert read_only["counters"]["builds"] == 0
+    assert read_only["counters"]["cache_hits"] == len(saved)
+    assert read_only["logits"] == pytest.approx(cold[0]["logits"], abs=1e-5)
+    assert stderr[0].count("is read-only: loading what it holds") == 1, stderr[0][-3000:]
     assert artifacts(tmp_path) == saved

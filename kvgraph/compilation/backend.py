@@ -27,6 +27,9 @@ from kvgraph.version import __version__
 from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_attention
 
 logger = logging.getLogger(__name__)
+# Config fields that change no compiled artifact: the compile cache key leaves them out.
+NOT_IN_CACHE_KEY = ("capture_sizes", "cache_dir", "debug_dump_path", "check_guards",
+                    "check_graph_inputs", "on_compile_error")
 
 
 def _example_values(gm: fx.GraphModule) -> list[Any]:
@@ -94,7 +97,8 @@ class KVGraphBackend:
             patches = dict(config.inductor_options)
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)
-            compiler = make_piece_compiler(config.piece_compiler, cache, patches)
+            compiler = make_piece_compiler(config.piece_compiler, cache, patches,
+                                           config.on_compile_error)
             compile_counters.pieces += 1
             return build_piece(gm, values, config.compile_sizes, compiler,
                                graph_fingerprint(gm))
@@ -103,7 +107,8 @@ class KVGraphBackend:
     def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None,
                         dump: DebugDump | None) -> fx.GraphModule:
         config = self.config
-        compiler = make_piece_compiler(config.piece_compiler, cache, config.inductor_options)
+        compiler = make_piece_compiler(config.piece_compiler, cache, config.inductor_options,
+                                       config.on_compile_error)
         split = split_at_attention(gm, config.splitting_ops)
         if dump:
             dump.graph("split", split.split_module)
@@ -130,16 +135,15 @@ class KVGraphBackend:
 
     def _compile_cache(self, gm: fx.GraphModule) -> CompileCache | None:
         config = self.config
-        if not config.use_compile_cache or config.piece_compiler == "eager":
+        if not config.uses_compile_cache:
             return None
+        settings = {name: value for name, value in dataclasses.asdict(config).items()
+                    if name not in NOT_IN_CACHE_KEY}
         key = digest(
             torch.__version__, __version__, _device_of(_example_values(gm)).type,
-            self.pass_manager.uuid(),
-            config.replace(capture_sizes=None, cache_dir="", debug_dump_path=None,
-                           check_guards=False, check_graph_inputs=False),
-            source_files_digest(_traced_source_files()),
+            self.pass_manager.uuid(), settings, source_files_digest(_traced_source_files()),
         )
-        return CompileCache(config.cache_dir, key)
+        return CompileCache.open(config.cache_dir, key)
 
 
 def kvgraph_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,

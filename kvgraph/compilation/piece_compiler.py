@@ -34,13 +34,19 @@ class EagerPieceCompiler:
 
 
 class InductorPieceCompiler:
-    """Builds pieces with `torch._inductor.standalone_compile`, through the compile cache."""
+    """Builds pieces with `torch._inductor.standalone_compile`, through the compile cache.
+
+    A build inductor fails at runs as the traced FX code instead, with a warning, unless
+    `on_error` is "raise" (the config's `on_compile_error`).
+    """
 
     name = "inductor"
 
-    def __init__(self, cache: CompileCache | None, config_patches: dict[str, Any] | None = None):
+    def __init__(self, cache: CompileCache | None, config_patches: dict[str, Any] | None = None,
+                 on_error: str = "eager"):
         self.cache = cache
         self.config_patches = config_patches or {}
+        self.on_error = on_error
 
     @staticmethod
     def dynamic_shapes(example_inputs: Sequence[Any]) -> str:
@@ -48,20 +54,22 @@ class InductorPieceCompiler:
         return "from_tracing_context" if token_symbols(example_inputs) else "from_example_inputs"
 
     def compile(self, gm, example_inputs, build_name):
-        from torch._inductor import CompiledArtifact, standalone_compile
+        from torch._inductor import CompiledArtifact
 
         if self.cache is not None:
             loaded = self.cache.load(build_name, lambda path: CompiledArtifact.load(path=path))
             if loaded is not None:
                 compile_counters.cache_hits += 1
                 return loaded
-        start = time.perf_counter()
-        artifact = standalone_compile(
-            gm, list(example_inputs), dynamic_shapes=self.dynamic_shapes(example_inputs),
-            options={"config_patches": self.config_patches},
-        )
-        compile_counters.builds += 1
-        logger.debug("kvgraph: built %s in %.2f s", build_name, time.perf_counter() - start)
+        try:
+            artifact = self._build(gm, example_inputs, build_name)
+        except Exception as error:
+            if self.on_error == "raise":
+                raise
+            logger.warning("kvgraph: inductor could not build %s, so it runs uncompiled (eager): "
+                           "%s: %s (on_compile_error='raise' makes this an error)", build_name,
+                           type(error).__name__, str(error).strip().split("\n")[0])
+            return gm
         if self.cache is not None:
             try:
                 self.cache.save(build_name, lambda path: artifact.save(path=path, format="binary"))
@@ -69,9 +77,22 @@ class InductorPieceCompiler:
                 logger.warning("kvgraph: could not cache %s: %s", build_name, error)
         return artifact
 
+    def _build(self, gm, example_inputs, build_name):
+        from torch._inductor import standalone_compile
+
+        start = time.perf_counter()
+        artifact = standalone_compile(
+            gm, list(example_inputs), dynamic_shapes=self.dynamic_shapes(example_inputs),
+            options={"config_patches": self.config_patches},
+        )
+        compile_counters.builds += 1
+        logger.debug("kvgraph: built %s in %.2f s", build_name, time.perf_counter() - start)
+        return artifact
+
 
 def make_piece_compiler(name: str, cache: CompileCache | None,
-                        config_patches: dict[str, Any] | None = None) -> PieceCompiler:
+                        config_patches: dict[str, Any] | None = None,
+                        on_error: str = "eager") -> PieceCompiler:
     if name == "eager":
         return EagerPieceCompiler()
-    return InductorPieceCompiler(cache, config_patches)
+    return InductorPieceCompiler(cache, config_patches, on_error)

@@ -79,7 +79,8 @@ def build_piece(gm, example_values, compile_sizes, compiler, name: str) -> Piece
     read = token_count_reader(example_values)
     general = compiler.compile(gm, example_values, f"{name}-general")
     static = {}
-    if read is not None and compiler.name != "eager":
+    # A piece whose general build fell back to its FX code (`gm`) runs that at every size.
+    if read is not None and compiler.name != "eager" and general is not gm:
         for size in compile_sizes:
             static[size] = compiler.compile(gm, static_inputs(example_values, size), f"{name}-{size}")
     compile_counters.unique_pieces += 1

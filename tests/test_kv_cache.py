@@ -206,3 +206,20 @@ def test_list_form_needs_layer_indices_and_duplicate_names_are_rejected():
     model = nn.Sequential(layer, kvgraph.Attention(HEADS, HEAD, 0.1, KV_HEADS, "attn"))
     with pytest.raises(KVCacheError, match="share the layer_name 'attn'"):
         kvgraph.attention_layers(model)
+
+
+def test_one_cache_bound_to_two_layers_without_declaring_it_is_refused():
+    model = model_of_layers(["decoder", "decoder"])
+    _, caches = alloc(model)
+    caches["model.layers.1.attn"] = caches["model.layers.0.attn"]
+    with pytest.raises(KVCacheError, match=r"'model.layers.0.attn' and 'model.layers.1.attn' were "
+                       r"given the same cache tensor.*shared_kv_cache_layers"):
+        kvgraph.bind_kv_cache(layers_of(model), caches)
+    assert all(layer.kv_cache == () for layer in kvgraph.attention_layers(model).values())
+
+
+def test_a_dtype_that_is_not_a_torch_dtype_is_a_clear_error():
+    model = model_of_layers(["decoder"])
+    _, caches = alloc(model)
+    with pytest.raises(KVCacheError, match="dtype: expected a torch.dtype.*'float32'"):
+        kvgraph.bind_kv_cache(layers_of(model), caches, dtype="float32")

@@ -16,6 +16,7 @@ class CompileCounters:
     builds: int = 0  # builds actually compiled (general + static), cache hits excluded
     cache_hits: int = 0  # builds loaded from the compile cache
     cache_corrupt: int = 0  # artifacts found damaged, discarded and rebuilt
+    build_fallbacks: int = 0  # builds inductor failed at, run as traced FX code instead
     compile_seconds: float = 0.0
 
     def reset(self) -> None:

@@ -69,6 +69,7 @@ class InductorPieceCompiler:
             logger.warning("kvgraph: inductor could not build %s, so it runs uncompiled (eager): "
                            "%s: %s (on_compile_error='raise' makes this an error)", build_name,
                            type(error).__name__, str(error).strip().split("\n")[0])
+            compile_counters.build_fallbacks += 1
             return gm
         if self.cache is not None:
             try:

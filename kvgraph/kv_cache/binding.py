@@ -42,6 +42,8 @@ def bind_kv_cache(
     whether each layer writes.
     `device` and `dtype`, when given, are checked too. Nothing is bound unless all checks pass.
     """
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise KVCacheError(f"dtype: expected a torch.dtype (e.g. torch.float16), got {dtype!r}")
     cache_layers = _cache_layers(layers)
     sharing = _sharing(cache_layers, shared_kv_cache_layers or {})
     shared = _resolve_sharing(cache_layers, sharing)
@@ -54,6 +56,7 @@ def bind_kv_cache(
         cache = _checked_cache(name, cache_layers[name], by_name[name], expected_device, dtype)
         expected_device = cache[0].device
         bound[name] = cache
+    _check_no_cache_bound_twice(bound)
     for name, target in shared.items():
         bound[name] = bound[target]
     for name, cache in bound.items():
@@ -158,6 +161,20 @@ def _caches_by_name(
             f"cache, in layer-index order: {ordered}"
         )
     return dict(zip(ordered, kv_caches))
+
+
+def _check_no_cache_bound_twice(bound: Mapping[str, KVCache]) -> None:
+    """Two owning layers on one tensor would both write it: sharing must be declared."""
+    owner_of: dict[int, str] = {}
+    for name, cache in bound.items():
+        for tensor in cache:
+            other = owner_of.setdefault(tensor.untyped_storage().data_ptr(), name)
+            if other != name:
+                raise KVCacheError(
+                    f"layers {other!r} and {name!r} were given the same cache tensor; both would "
+                    f"write it. To share a cache, declare it: shared_kv_cache_layers="
+                    f"{{{name!r}: {other!r}}} or Attention(kv_sharing_target_layer_name=...)"
+                )
 
 
 def _checked_cache(

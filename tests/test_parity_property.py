@@ -130,7 +130,7 @@ def test_every_graph_mode_matches_eager_on_random_schedules(data):
 
 
 @pytest.mark.slow
-@settings(max_examples=150, **COMMON)
+@settings(max_examples=60, **COMMON)
 @given(st.data())
 def test_every_graph_mode_matches_eager_on_many_random_schedules(data):
     run_schedule(data)

@@ -50,6 +50,23 @@ def test_sliding_window(window):
     assert_close(run_triton(batch, window), batch.ref, torch.float32)
 
 
+@pytest.mark.parametrize("heads, window", [("mha", None), ("mqa", 7), ("gqa", None)])
+def test_long_queries_span_several_query_blocks(heads, window):
+    """A program holds up to 64 rows (tokens x heads of a KV group): longer prefills and
+    chunks are cut into blocks, and each block's rows see exactly their own keys."""
+    from random import Random
+
+    from tests.attention_reference import attention_batch, make_chunks
+
+    shapes = [(0, 70), (5, 1), (13, 37), (0, 1)]  # 70 and 37 tokens: several blocks each
+    chunks, num_blocks = make_chunks(shapes, 4, Random(3))
+    num_heads, num_kv_heads = HEAD_CONFIGS[heads]
+    batch = attention_batch(chunks, num_blocks, 4, num_heads, num_kv_heads, dtype=torch.float32,
+                            seed=3, window=window)
+    assert_close(run_triton(batch, window), batch.ref, torch.float32)
+    check_caches(batch)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cache_dtypes(dtype):
     batch = random_attention_batch("mixed", 4, "gqa", dtype=dtype)

@@ -1,10 +1,13 @@
 """Paged attention in Triton kernels: the cache write, and unified, MLA and encoder attention.
 
 The kernels take sequence lengths, query offsets and block tables as device tensors and never
-sync with the host, and their launch grids depend only on tensor shapes (tokens, heads), never
-on a batch's contents: full graphs can hold any batch. Each program (one token, one head) reads
-only its request's real keys, so its cost does not depend on `max_model_len`. Accumulation is
-fp32 with an online softmax; padding tokens and requests without keys produce zeros.
+sync with the host, and their launch grids depend only on tensor shapes (tokens, requests,
+heads) and the planned `max_query_len`, never on a batch's contents: full graphs can hold any
+batch. Unified attention gives each program a block of one request's query tokens and one KV
+head, with every query head of that head's group as rows of tensor-core dots (GQA reads each key
+once); each program reads only its request's real keys, so its cost does not depend on
+`max_model_len`. Accumulation is fp32 with an online softmax; padding tokens and requests
+without keys produce zeros.
 
 Under `TRITON_INTERPRET=1` Triton runs the kernels on CPU tensors: that is how CI tests them.
 """

@@ -6,74 +6,121 @@ import torch
 import triton
 import triton.language as tl
 
-from kvgraph.attention.backends.triton.paged import (
-    keys_per_tile,
-    load_head_row,
-    online_softmax_step,
-    request_of,
-    rows_contiguous,
-    softmax_start,
-    store_head_row,
-)
+from kvgraph.attention.backends.triton.paged import keys_per_tile, rows_contiguous, store_head_row
 from kvgraph.attention.metadata import AttentionMetadata
+
+
+@triton.jit
+def _query_block(block, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr,
+                 REQS: tl.constexpr):
+    """The query tokens program `block` covers: (request, first token, end token). Each
+    request's tokens are cut into blocks of BLOCK_Q; blocks past every request's cover the
+    padding tokens after the last request (request -1).
+
+    Scalar arithmetic, not tl.where: Triton 3.6's interpreter cannot loop to a tl.where."""
+    reqs = tl.arange(0, REQS)
+    starts = tl.load(query_start_loc_ptr + reqs, mask=reqs < num_reqs, other=0)
+    ends = tl.load(query_start_loc_ptr + 1 + reqs, mask=reqs < num_reqs, other=0)
+    blocks = (ends - starts + BLOCK_Q - 1) // BLOCK_Q
+    first_blocks = tl.cumsum(blocks, axis=0) - blocks
+    total = tl.sum(blocks, axis=0)
+    in_request = (block < total).to(tl.int32)
+    # Requests whose blocks all come before `block` (empty ones included) precede its own.
+    request = tl.minimum(tl.sum((first_blocks + blocks <= block).to(tl.int32), axis=0),
+                         num_reqs - 1)
+    first_block = tl.sum((reqs == request).to(tl.int32) * first_blocks, axis=0)
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_end = tl.load(query_start_loc_ptr + request + 1)
+    padding_start = tl.load(query_start_loc_ptr + num_reqs)
+    first = (in_request * (query_start + (block - first_block) * BLOCK_Q)
+             + (1 - in_request) * (padding_start + (block - total) * BLOCK_Q))
+    end = in_request * tl.minimum(first + BLOCK_Q, query_end) + (1 - in_request) * (first + BLOCK_Q)
+    return in_request * (request + 1) - 1, first, end
 
 
 @triton.jit
 def _unified_attention_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr,
-    query_start_loc_ptr, scale, num_reqs, block_table_stride, sliding_window,
+    query_start_loc_ptr, scale, num_tokens, num_reqs, block_table_stride, sliding_window,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride,
     partial_ptr, partial_stats_ptr,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
-    REQS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    REQS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One program per (token, query head, key split): causal attention over its request's
-    cached keys. With one split it writes `out`; with several, each writes its part of the
-    keys' partial softmax for `_merge_splits_kernel` (flash-decoding)."""
-    token = tl.program_id(0)
-    head = tl.program_id(1)
+    """One program per (block of one request's query tokens, KV head, key split): causal
+    attention of every query head of the KV head's group, as `ROWS` = tokens x group rows,
+    with tensor-core dots over tiles of `KEYS` cached keys. With one split it writes `out`;
+    with several, each writes its part of the keys' partial softmax for `_merge_splits_kernel`
+    (flash-decoding). Programs past every request's blocks write zeros for padding tokens."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
-    request, real, query_start, query_len = request_of(token, query_start_loc_ptr, num_reqs,
-                                                        REQS)
+    request, first, end = _query_block(tl.program_id(0), query_start_loc_ptr, num_reqs,
+                                       BLOCK_Q, REQS)
+    end = tl.minimum(end, num_tokens)
+    rows = tl.arange(0, ROWS)
+    tokens = first + rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_valid = (rows < BLOCK_Q * GROUP) & (tokens < end)
+    dims = tl.arange(0, HEAD_BLOCK)
+    dim_mask = dims < HEAD_SIZE
+
+    real = (request >= 0).to(tl.int32)
+    request = tl.maximum(request, 0)
     seq_len = tl.load(seq_lens_ptr + request)
-    position = seq_len - query_len + (token - query_start)  # this token's place in its sequence
-    # Scalar arithmetic, not tl.where: Triton 3.6's interpreter cannot loop to a tl.where.
-    first_key = tl.maximum(position - sliding_window + 1, 0)
-    last_key = position * real + real - 1  # inclusive; -1 (no key at all) for padding
+    query_len = tl.load(query_start_loc_ptr + request + 1) - tl.load(query_start_loc_ptr + request)
+    query_start = tl.load(query_start_loc_ptr + request)
+    positions = seq_len - query_len + (tokens - query_start)  # each row's place in its sequence
+    # The keys any row of the block sees, split into NUM_SPLITS ranges; none for padding.
+    first_key = tl.maximum(seq_len - query_len + (first - query_start) - sliding_window + 1, 0)
+    last_key = real * (seq_len - query_len + (end - 1 - query_start) + 1) - 1
     split_len = (tl.maximum(last_key - first_key + 1, 0) + NUM_SPLITS - 1) // NUM_SPLITS
     first_key = first_key + split * split_len
     last_key = tl.minimum(first_key + split_len - 1, last_key)
 
-    dims = tl.arange(0, HEAD_BLOCK)
-    dim_mask = dims < HEAD_SIZE
-    query = load_head_row(query_ptr, token, head, q_token_stride, q_head_stride, HEAD_SIZE,
-                          HEAD_BLOCK)
-    row_max, row_sum, acc = softmax_start(HEAD_BLOCK)
+    query = tl.load(query_ptr + tokens[:, None] * q_token_stride + heads[:, None] * q_head_stride
+                    + dims[None, :], mask=row_valid[:, None] & dim_mask[None, :],
+                    other=0.0).to(tl.float32)
+    row_max = tl.full((ROWS,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, HEAD_BLOCK), tl.float32)
     offsets = tl.arange(0, KEYS)
     for start in range(first_key, last_key + 1, KEYS):
-        positions = start + offsets
-        visible = positions <= last_key
-        blocks = tl.load(block_table_ptr + request * block_table_stride + positions // BLOCK_SIZE,
-                         mask=visible, other=0).to(tl.int64)
-        rows = (blocks * BLOCK_SIZE + positions % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
-        kv_mask = visible[:, None] & dim_mask[None, :]
-        keys = tl.load(key_cache_ptr + rows[:, None] * HEAD_SIZE + dims[None, :], mask=kv_mask,
+        key_positions = start + offsets
+        in_range = key_positions <= last_key
+        blocks = tl.load(block_table_ptr + request * block_table_stride
+                         + key_positions // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        slots = (blocks * BLOCK_SIZE + key_positions % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        kv_mask = in_range[:, None] & dim_mask[None, :]
+        keys = tl.load(key_cache_ptr + slots[:, None] * HEAD_SIZE + dims[None, :], mask=kv_mask,
                        other=0.0).to(tl.float32)
-        scores = tl.where(visible, tl.sum(keys * query[None, :], axis=1) * scale, float("-inf"))
-        values = tl.load(value_cache_ptr + rows[:, None] * HEAD_SIZE + dims[None, :], mask=kv_mask,
-                         other=0.0).to(tl.float32)
-        row_max, row_sum, acc = online_softmax_step(scores, values, row_max, row_sum, acc)
+        values = tl.load(value_cache_ptr + slots[:, None] * HEAD_SIZE + dims[None, :],
+                         mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * scale
+        distance = positions[:, None] - key_positions[None, :]
+        visible = (row_valid[:, None] & in_range[None, :] & (distance >= 0)
+                   & (distance < sliding_window))
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet
+        correction = tl.exp(row_max - safe_max)
+        weights = tl.exp(scores - safe_max[:, None])
+        row_sum = row_sum * correction + tl.sum(weights, axis=1)
+        acc = acc * correction[:, None] + tl.dot(weights, values, input_precision=PRECISION)
+        row_max = new_max
+    out_mask = row_valid[:, None] & dim_mask[None, :]
     if NUM_SPLITS == 1:
-        result = acc / tl.maximum(row_sum, 1e-30)  # no visible key: zeros, never NaN
-        store_head_row(out_ptr, result, token, head, out_token_stride, out_head_stride,
-                       HEAD_SIZE, HEAD_BLOCK)
+        result = acc / tl.maximum(row_sum, 1e-30)[:, None]  # no visible key: zeros, never NaN
+        tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
+                 + dims[None, :], result.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part = (token * NUM_HEADS + head) * NUM_SPLITS + split
-        tl.store(partial_ptr + part * HEAD_BLOCK + dims, acc)
-        tl.store(partial_stats_ptr + part * 2, row_max)
-        tl.store(partial_stats_ptr + part * 2 + 1, row_sum)
+        parts = (tokens * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(partial_ptr + parts[:, None] * HEAD_BLOCK + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(partial_stats_ptr + parts * 2, row_max, mask=row_valid)
+        tl.store(partial_stats_ptr + parts * 2 + 1, row_sum, mask=row_valid)
 
 
 @triton.jit
@@ -97,13 +144,19 @@ def _merge_splits_kernel(out_ptr, partial_ptr, partial_stats_ptr, out_token_stri
                    HEAD_BLOCK)
 
 
-def num_kv_splits(num_tokens: int, num_heads: int, device: torch.device) -> int:
-    """How many key ranges each (token, head) is split into: on a GPU several when the batch
-    alone cannot fill it (long-context decode), else one; on the interpreter one (splits buy
+def block_q(max_query_len: int, group: int) -> int:
+    """Query tokens per program: one for decode; for longer queries, enough that a program's
+    rows (tokens x the query heads of one KV head) fill a 64-row tile."""
+    return 1 if max_query_len == 1 else max(1, 64 // triton.next_power_of_2(group))
+
+
+def num_kv_splits(programs: int, device: torch.device) -> int:
+    """How many key ranges each program's keys are split into: on a GPU enough that a small
+    batch (long-context decode) still fills it, else one; on the interpreter one (splits buy
     parallelism it does not have). Shapes only, so a captured graph keeps its choice."""
-    if device.type != "cuda" or num_tokens * num_heads >= 1024:
+    if device.type != "cuda" or programs >= 256:
         return 1
-    return 8
+    return min(16, triton.next_power_of_2(256 // programs))
 
 
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -120,23 +173,30 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         out.zero_()
         return
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    block_table = metadata.block_table
-    query = rows_contiguous(query)
-    splits = num_splits or num_kv_splits(num_tokens, num_heads, query.device)
-    head_block = triton.next_power_of_2(head_size)
+    group = num_heads // num_kv_heads
+    tokens_per_program = block_q(metadata.max_query_len, group)
+    # Enough programs for every request's blocks and the padding after them, from shapes only.
+    programs = triton.cdiv(num_tokens, tokens_per_program) + num_reqs + 1
+    splits = num_splits or num_kv_splits(
+        triton.cdiv(num_tokens, tokens_per_program) * num_kv_heads, query.device)
+    head_block = max(16, triton.next_power_of_2(head_size))  # tensor-core dots need 16
     partial = partial_stats = out  # unused with one split
     if splits > 1:
         partial = torch.empty(num_tokens, num_heads, splits, head_block, dtype=torch.float32,
                               device=query.device)
         partial_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32,
                                     device=query.device)
-    _unified_attention_kernel[(num_tokens, num_heads, splits)](
-        out, query, key_cache, value_cache, block_table, metadata.seq_lens,
-        metadata.query_start_loc, scale, num_reqs, block_table.stride(0),
+    query = rows_contiguous(query)
+    _unified_attention_kernel[(programs, num_kv_heads, splits)](
+        out, query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
+        metadata.query_start_loc, scale, num_tokens, num_reqs, metadata.block_table.stride(0),
         sliding_window or 2**30, *query.stride()[:2], *out.stride()[:2], partial, partial_stats,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
         HEAD_BLOCK=head_block, BLOCK_SIZE=block_size, KEYS=keys_per_tile(block_size),
-        REQS=triton.next_power_of_2(num_reqs), NUM_SPLITS=splits,
+        REQS=triton.next_power_of_2(num_reqs), NUM_SPLITS=splits, BLOCK_Q=tokens_per_program,
+        ROWS=max(16, triton.next_power_of_2(tokens_per_program * group)),
+        # fp32 dots: exact for an fp32 cache; TF32 holds a bf16 or fp16 cache's values exactly.
+        PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
     )
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](

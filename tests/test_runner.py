@@ -189,3 +189,24 @@ def test_every_step_input_is_a_view_of_one_buffer_that_never_moves():
                    metadata.seq_lens, metadata.query_start_loc]
         assert {t.untyped_storage().data_ptr() for t in tensors} == {storage}
     assert positions.tolist()[:7] == [3, 0, 1, 2, 3, 4, 5]
+
+
+def test_models_of_one_class_with_different_float_attributes_keep_their_graphs_valid():
+    """Dynamo remembers, per function (file, line, name), which values changed between
+    compiles and makes such floats graph inputs, wrapped in a new tensor on every call: a graph
+    would then read a stale address. Every runner's model is a copy of one function, so a
+    second model whose eps differs must still trace its floats as constants."""
+    results = []
+    for eps in (1e-6, 1e-5, 1e-4):
+        model = make_model("llama")
+        for module in model.modules():
+            if hasattr(module, "eps"):
+                module.eps = eps
+        config = CompilationConfig(graph_mode="piecewise", piece_compiler="eager",
+                                   capture_sizes=CAPTURE_SIZES, check_graph_inputs=True)
+        runner = kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                     max_num_tokens=32, max_num_seqs=8)
+        runner.capture()
+        logits, _ = generate(runner, model.config.vocab_size)  # GraphError if an input moved
+        results.append(logits)
+    assert not torch.equal(results[0][0], results[2][0]), "eps must reach the computation"

@@ -44,6 +44,12 @@ class CompiledModel:
     After the first trace Dynamo's guards are dropped (`config.check_guards` keeps them): the
     compiled code is only valid for the caches bound when it was traced, which ModelRunner
     guarantees by binding before the first call and never rebinding to other shapes.
+
+    Traces specialise float attributes (`eps`, `scale`). Dynamo otherwise turns a float whose
+    value changed since an earlier compile of the same function (its file, line and name, so
+    every model of one class, in this process or, through its profile cache, an earlier one)
+    into a graph input wrapped in a new tensor on every call, which a captured graph would
+    read from a stale address.
     """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None):
@@ -54,10 +60,16 @@ class CompiledModel:
         if not self.config.check_guards:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
         self._compiled = torch.compile(own_forward(model), backend=self.backend, options=options)
+        self._traced = False
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs: Any) -> Any:
         mark_token_dims(input_ids, positions)
-        return self._compiled(input_ids, positions, **kwargs)
+        if self._traced and not self.config.check_guards:  # no guards: it never traces again
+            return self._compiled(input_ids, positions, **kwargs)
+        with torch._dynamo.config.patch(specialize_float=True):
+            hidden_states = self._compiled(input_ids, positions, **kwargs)
+        self._traced = True
+        return hidden_states
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)

@@ -1,0 +1,131 @@
+"""AsyncEngine: the engine loop in one background thread, its outputs as asyncio streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from .engine import LLMEngine
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Seconds between refreshes of the stats snapshot that HTTP threads read.
+STATS_INTERVAL = 0.25
+
+
+class AsyncEngine:
+    """Drives an `LLMEngine` from one thread for callers in any asyncio event loop.
+
+    Callers never touch the engine: they put commands (add, abort) on a queue, which the loop
+    thread applies between steps, so the scheduler and its blocks have a single owner. Each
+    request's outputs come back through an asyncio queue of the caller's loop.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.stats: dict[str, Any] = engine.stats()  # replaced, never mutated: safe to read
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stats_time = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        self._thread.join()
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Refuse a request that could never run (RequestError), before it is queued."""
+        self.engine.check(prompt_token_ids, params)
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, one per token; leaving early aborts it (its blocks are
+        freed before the next step)."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, loop, outputs))
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                if isinstance(output, BaseException):
+                    finished = True
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:  # the caller went away (a client disconnect cancels it here)
+                self._commands.put(lambda: self._abort(request_id))
+
+    # --- the loop thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            # Block for a command only when there is nothing to step.
+            if not self._apply_commands(block=not self.engine.has_unfinished):
+                return
+            if self.engine.has_unfinished:
+                self._step()
+            self._refresh_stats()
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands; False when asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+            while command is not None:
+                command()
+                command = self._commands.get_nowait()
+            return False
+        except queue.Empty:
+            return True
+
+    def _add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+             loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
+        try:
+            self.engine.add_request(prompt_token_ids, params, request_id)
+        except ValueError as error:
+            _deliver(loop, outputs, error)
+            return
+        self._streams[request_id] = (loop, outputs)
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # a failed step fails its requests, not the server
+            logger.exception("engine step failed; aborting every request in flight")
+            for request_id, (loop, stream) in list(self._streams.items()):
+                _deliver(loop, stream, RuntimeError(f"engine step failed: {error}"))
+                self._abort(request_id)
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                _deliver(*stream, output)
+            if output.finished:
+                self._streams.pop(output.request_id, None)
+
+    def _refresh_stats(self) -> None:
+        now = time.perf_counter()
+        if now - self._stats_time >= STATS_INTERVAL or not self.engine.has_unfinished:
+            self.stats = self.engine.stats()
+            self._stats_time = now
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue, item: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(outputs.put_nowait, item)
+    except RuntimeError:  # the caller's loop is closed: nobody is listening any more
+        pass

@@ -1,0 +1,101 @@
+"""ServerMetrics: the server's Prometheus metrics, from HTTP handlers and the engine's stats.
+
+Imports prometheus-client: only the server imports this module. Each server has its own
+registry, so several can live in one process (tests start one per graph mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .async_engine import AsyncEngine
+from .request import RequestOutput
+
+# Latency buckets (seconds) from a fast GPU decode step to a slow CPU prefill.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# How runner.stats() names steps that ran without graphs.
+NO_GRAPH_MODE = "none"
+
+
+class ServerMetrics:
+    """Request, token and latency metrics, and the engine's own counts read at scrape time."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvgraph_http_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.finished = Counter("kvgraph_requests_finished", "Generations by finish reason",
+                                ["finish_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("kvgraph_prompt_tokens", "Prompt tokens of finished "
+                                     "generations", registry=self.registry)
+        self.generation_tokens = Counter("kvgraph_generation_tokens", "Tokens generated",
+                                         registry=self.registry)
+        self.ttft = Histogram("kvgraph_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kvgraph_inter_token_latency_seconds", "Between successive tokens",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.registry.register(EngineCollector(engine))
+
+    def observe(self, output: RequestOutput) -> None:
+        """Count one engine output (one token) of a request."""
+        self.generation_tokens.inc(len(output.token_ids))
+        if output.ttft is not None:
+            self.ttft.observe(output.ttft)
+        if output.itl is not None:
+            self.itl.observe(output.itl)
+        if output.finished:
+            self.finished.labels(output.finish_reason.value).inc()
+            self.prompt_tokens.inc(output.num_prompt_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """The engine's latest stats snapshot as metrics: queue, cache, steps per graph."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        stats = self.engine.stats
+        runner = stats["runner"]
+        yield _gauge("kvgraph_requests_running", "Requests in the running batch", stats["running"])
+        yield _gauge("kvgraph_requests_waiting", "Requests queued", stats["waiting"])
+        used = stats["kv_blocks_total"] - stats["kv_blocks_free"]
+        yield _gauge("kvgraph_kv_cache_blocks_used", "KV cache blocks held by requests", used)
+        yield _gauge("kvgraph_kv_cache_blocks_total", "KV cache blocks", stats["kv_blocks_total"])
+        yield _counter("kvgraph_preemptions", "Requests preempted for blocks", stats["preemptions"])
+        yield _counter("kvgraph_requests_aborted", "Requests aborted (client gone)",
+                       stats["aborted"])
+        yield _counter("kvgraph_engine_steps", "Model steps run", stats["steps"])
+        steps = CounterMetricFamily("kvgraph_steps_by_graph", "Steps by runtime mode and "
+                                    "batch descriptor", labels=["mode", "descriptor"])
+        graph_hits = 0
+        for key, count in runner["hits"].items():
+            mode, _, descriptor = key.partition(":")
+            steps.add_metric([mode, descriptor], count)
+            graph_hits += count if mode != NO_GRAPH_MODE else 0
+        yield steps
+        yield _counter("kvgraph_graph_hits", "Steps that replayed a graph", graph_hits)
+        yield _counter("kvgraph_graph_fallbacks", "Steps above the largest capture size",
+                       runner["fallbacks"])
+        yield _counter("kvgraph_graph_uncaptured", "Steps whose graph was not captured",
+                       runner["uncaptured"])
+        yield _counter("kvgraph_graph_padded_tokens", "Padding tokens added to reach a "
+                       "capture size", runner["padded_tokens"])
+        yield _gauge("kvgraph_graph_bytes", "Memory the captured graphs hold",
+                     runner["graphs"]["graph_bytes"])
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)

@@ -1,0 +1,172 @@
+"""The OpenAI-style HTTP protocol: request bodies checked into engine inputs, and responses.
+
+Plain Python (no web framework): every field is checked for its type and range here, and a
+bad one is a `RequestError` naming it, which the server answers with HTTP 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import RequestError
+from .request import FinishReason
+from .sampling_params import SamplingParams
+
+# OpenAI's default when a request gives no max_tokens.
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: what the engine runs, and how the answer is sent."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RequestError("body", f"the request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise RequestError("body", f"the request body must be a JSON object, got "
+                           f"{type(body).__name__}")
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+def _is_stop(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, list)
+                                      and all(isinstance(s, str) for s in value))
+
+
+# field -> (check, what it must be). Absent and null fields take SamplingParams' defaults.
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_tokens": (_is_int, "an integer"),
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "top_k": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    "stop": (_is_stop, "a string or a list of strings"),
+    "stream": (lambda v: isinstance(v, bool), "a boolean"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "n": (lambda v: v == 1 and _is_int(v), "1 (one choice per request)"),
+}
+
+
+def _field(body: dict[str, Any], name: str, default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    check, expected = _FIELDS[name]
+    if not check(value):
+        raise RequestError(name, f"{name} must be {expected}, got {json.dumps(value)}")
+    return value
+
+
+def _sampling_params(body: dict[str, Any]) -> SamplingParams:
+    for name in _FIELDS:
+        _field(body, name)  # type checks first: their messages are the clearest
+    stop = _field(body, "stop", ())
+    top_k = _field(body, "top_k", 0)
+    return SamplingParams(
+        max_tokens=_field(body, "max_tokens", DEFAULT_MAX_TOKENS),
+        temperature=float(_field(body, "temperature", 1.0)),
+        top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's "off"
+        top_p=float(_field(body, "top_p", 1.0)),
+        seed=_field(body, "seed"),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        ignore_eos=_field(body, "ignore_eos", False),
+    )
+
+
+def parse_completion(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
+    """`/v1/completions`: `prompt` is a non-empty string or a list of token ids."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise RequestError("prompt", "prompt is required")
+    if isinstance(prompt, str) and prompt:
+        prompt_token_ids = tokenizer.encode(prompt)
+    elif _is_token_ids(prompt):
+        prompt_token_ids = prompt
+    else:
+        raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list "
+                           f"of token ids, got {json.dumps(prompt)[:80]}")
+    return GenerationRequest(prompt_token_ids, _sampling_params(body), _field(body, "stream",
+                                                                              False))
+
+
+def parse_chat(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
+    """`/v1/chat/completions`: `messages` is a non-empty list of `{role, content}` strings."""
+    messages = body.get("messages")
+    if messages is None:
+        raise RequestError("messages", "messages is required")
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages)):
+        raise RequestError("messages", "messages must be a non-empty list of objects with "
+                           "string 'role' and 'content'")
+    params = _sampling_params(body)
+    try:
+        prompt_token_ids = tokenizer.encode_chat(messages)
+    except Exception as error:  # a template's raise_exception, or a template bug
+        raise RequestError("messages", f"the chat template failed: {error}") from None
+    return GenerationRequest(prompt_token_ids, params, _field(body, "stream", False))
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error"
+               ) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param}}
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How one endpoint shapes its answers (OpenAI's completion or chat objects)."""
+
+    request_id: str
+    model: str
+    chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _choice(self, text: str, finish_reason: FinishReason | None, stream: bool
+                ) -> dict[str, Any]:
+        reason = None if finish_reason is None else finish_reason.value
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        key = "delta" if stream else "message"
+        return {"index": 0, key: {"role": "assistant", "content": text},
+                "finish_reason": reason}
+
+    def _object(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def response(self, text: str, finish_reason: FinishReason, prompt_tokens: int,
+                 completion_tokens: int) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        body = self._object(kind, self._choice(text, finish_reason, stream=False))
+        body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+        return body
+
+    def chunk(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return self._object(kind, self._choice(text, finish_reason, stream=True))

@@ -1,0 +1,124 @@
+"""Scheduler: which requests run in the next step, and how many tokens each, under a budget.
+
+Continuous batching: every step is rebuilt from the running requests (decodes first, then
+unfinished prefills) and then new requests from the queue, until the token budget or the
+request limit is reached. A prompt longer than what is left of the budget is prefilled in
+chunks over several steps. When the cache has no block for a running request's next chunk,
+the most recently admitted request is preempted: its blocks are freed and it goes back to the
+front of the queue, to be recomputed from its prompt and the tokens it has generated so far.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from .block_allocator import BlockAllocator, blocks_for
+from .request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`num_tokens` of `request`'s uncomputed tokens run in this step."""
+
+    request: Request
+    num_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """The request queue and the running set, and the blocks each running request holds."""
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 token_budget: int):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = token_budget
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []  # in order of admission: the last is preempted first
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a finished or aborted request out of the queue or running set; free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.token_budget)
+        if not output.preempted:  # admitting now would only take blocks back from the running
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        decodes_first = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1)
+        scheduled: set[Request] = set()
+        for request in decodes_first:
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted for an earlier request in this loop
+                continue
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            while not self._grow(request, num_tokens):
+                victim = self._victim(scheduled) or request
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                output.chunks.append(ScheduledChunk(request, num_tokens))
+                scheduled.add(request)
+                budget -= num_tokens
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = min(request.num_uncomputed_tokens, budget)
+            if not self._grow(request, num_tokens):
+                break  # it waits for blocks; the queue keeps its order
+            self.running.append(self.waiting.popleft())
+            output.chunks.append(ScheduledChunk(request, num_tokens))
+            budget -= num_tokens
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Give `request` the blocks its next `num_tokens` tokens need; False if too few free."""
+        needed = blocks_for(request.num_computed_tokens + num_tokens, self.block_size)
+        blocks = self.allocator.allocate(max(0, needed - len(request.block_ids)))
+        if blocks is None:
+            return False
+        request.block_ids.extend(blocks)
+        return True
+
+    def _victim(self, scheduled: set[Request]) -> Request | None:
+        """The latest admitted running request not already in this step's batch."""
+        candidates = [r for r in self.running if r not in scheduled]
+        return candidates[-1] if candidates else None
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        output.preempted.append(request)
+
+    def _release(self, request: Request) -> None:
+        self.allocator.free(request.block_ids)
+        request.block_ids = []

@@ -1,0 +1,201 @@
+"""An OpenAI-style HTTP server over the continuous-batching engine and kvgraph's graph modes.
+
+    python examples/serve.py --model PATH|llama|mla [--preset tiny] [--graph-mode ...] [--port N]
+
+Endpoints: POST /v1/completions and /v1/chat/completions (the latter when the checkpoint has
+a chat template), both streaming over server-sent events with `"stream": true`; GET /health,
+/v1/models and /metrics (Prometheus). The engine loop runs in one background thread; handlers
+only queue requests and await their tokens. Needs the `serve` extra (fastapi, uvicorn,
+prometheus-client, safetensors, tokenizers, jinja2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+if __package__:
+    from .engine import AsyncEngine, RequestError, RequestOutput, add_engine_args, build_engine
+    from .engine.metrics import ServerMetrics
+    from .engine.protocol import GenerationRequest, ResponseFormat, error_body, parse_chat
+    from .engine.protocol import parse_completion, parse_json
+    from .models import DeepseekMLA, Llama
+else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
+    from engine import AsyncEngine, RequestError, RequestOutput, add_engine_args, build_engine
+    from engine.metrics import ServerMetrics
+    from engine.protocol import GenerationRequest, ResponseFormat, error_body, parse_chat
+    from engine.protocol import parse_completion, parse_json
+    from models import DeepseekMLA, Llama
+
+# "deepseek_mla" is the name earlier versions of this demo used.
+MODELS = {"llama": Llama, "mla": DeepseekMLA, "deepseek_mla": DeepseekMLA}
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+# answer(endpoint, status, body): a JSON response, counted in the metrics.
+Answer = Callable[[str, int, dict[str, Any]], JSONResponse]
+logger = logging.getLogger("examples.serve")
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """The FastAPI app; it starts the engine loop on start-up and stops it on shut-down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="kvgraph example server", lifespan=lifespan)
+    metrics = ServerMetrics(engine)
+    tokenizer = engine.engine.tokenizer
+
+    def answer(endpoint: str, status: int, body: dict[str, Any]) -> JSONResponse:
+        metrics.requests.labels(endpoint, str(status)).inc()
+        return JSONResponse(body, status_code=status)
+
+    async def generate(endpoint: str, http: Request, chat: bool) -> Response:
+        try:
+            body = parse_json(await http.body())
+            parsed = (parse_chat if chat else parse_completion)(body, tokenizer)
+            engine.check(parsed.prompt_token_ids, parsed.params)
+        except RequestError as error:
+            return answer(endpoint, 400, error_body(str(error), error.param))
+        prefix = "chatcmpl" if chat else "cmpl"
+        fmt = ResponseFormat(f"{prefix}-{uuid.uuid4().hex}", model_name, chat)
+        outputs = engine.generate(fmt.request_id, parsed.prompt_token_ids, parsed.params)
+        if parsed.stream:
+            metrics.requests.labels(endpoint, "200").inc()
+            return StreamingResponse(_events(outputs, fmt, metrics),
+                                     media_type="text/event-stream")
+        return await _collect(endpoint, outputs, fmt, parsed, metrics, answer)
+
+    @app.post(COMPLETIONS)
+    async def completions(http: Request) -> Response:
+        return await generate(COMPLETIONS, http, chat=False)
+
+    @app.post(CHAT)
+    async def chat_completions(http: Request) -> Response:
+        if tokenizer.chat_template is None:
+            return answer(CHAT, 404, error_body(
+                "this model has no chat template (tokenizer_config.json 'chat_template'); "
+                f"use {COMPLETIONS}", None, "not_found_error"))
+        return await generate(CHAT, http, chat=True)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        stats = engine.stats
+        return {"status": "ok", "graph_mode": stats["runner"]["graph_mode"],
+                "running": stats["running"], "waiting": stats["waiting"],
+                "kv_blocks_free": stats["kv_blocks_free"],
+                "kv_blocks_total": stats["kv_blocks_total"]}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model",
+                                            "owned_by": "kvgraph"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _collect(endpoint: str, outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
+                   parsed: GenerationRequest, metrics: ServerMetrics, answer: Answer
+                   ) -> Response:
+    """A non-streaming answer: every output of the request, joined."""
+    texts, last = [], None
+    try:
+        async for output in outputs:
+            metrics.observe(output)
+            texts.append(output.text)
+            last = output
+    except RequestError as error:  # refused by the engine thread (checked there once more)
+        return answer(endpoint, 400, error_body(str(error), error.param))
+    except RuntimeError as error:  # the engine step failed
+        return answer(endpoint, 500, error_body(str(error), None, "server_error"))
+    return answer(endpoint, 200, fmt.response("".join(texts), last.finish_reason,
+                                              len(parsed.prompt_token_ids),
+                                              last.num_output_tokens))
+
+
+async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
+                  metrics: ServerMetrics) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token, then `[DONE]`.
+
+    A client that disconnects ends this generator; closing `outputs` then aborts the request
+    in the engine, which frees its blocks before the next step.
+    """
+    try:
+        async for output in outputs:
+            metrics.observe(output)
+            yield f"data: {json.dumps(fmt.chunk(output.text, output.finish_reason))}\n\n"
+    except (RequestError, RuntimeError) as error:
+        yield f"data: {json.dumps(error_body(str(error), None, 'server_error'))}\n\n"
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+class BackgroundServer:
+    """Serves `app` from a thread on `host` and a free port (tests, benchmarks)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1"):
+        self.sock = socket.socket()
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread died during start-up")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join()
+        self.sock.close()
+
+
+def model_name(args: argparse.Namespace) -> str:
+    path = Path(args.model)
+    return path.name if path.is_dir() else f"{args.model}-{args.preset}"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_args(parser, preset="small")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine, _ = build_engine(args, MODELS)  # logs the compile and capture summary
+    app = build_app(AsyncEngine(engine), model_name(args))
+    logger.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Local Hugging Face checkpoints: a tiny random Llama written to disk, loaded and served.
+
+`write_checkpoint` is also what the server tests serve.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.engine.checkpoint import load_checkpoint
+from examples.generate import main as generate_main
+from examples.models import DeepseekMLA, Llama
+
+MODELS = {"llama": Llama, "mla": DeepseekMLA}
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CORPUS = ["the quick brown fox jumps over the lazy dog", "paged attention keeps blocks",
+          "hello world, hello graphs", "<|user|> <|assistant|> <|system|>"] * 20
+
+
+def write_checkpoint(path: Path, chat_template: str | None = CHAT_TEMPLATE, seed: int = 3
+                     ) -> Path:
+    """A tiny Llama with random weights and a byte-level BPE tokenizer trained on `CORPUS`."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                             special_tokens=[("<s>", bos)])
+    tokenizer.save(str(path / "tokenizer.json"))
+    config = {**Llama.presets["tiny"], "vocab_size": tokenizer.get_vocab_size(),
+              "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config))
+    tokenizer_config = {"bos_token": "<s>", "eos_token": {"content": "</s>"}}
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    model = Llama.from_hf(config, seed=seed)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+def test_weights_and_tokenizer_load_as_written(checkpoint):
+    model, tokenizer = load_checkpoint(checkpoint, MODELS, torch.float32, "cpu")
+    config = json.loads((checkpoint / "config.json").read_text())
+    written = Llama.from_hf(config, seed=3)
+    for (name, got), (_, want) in zip(model.state_dict().items(), written.state_dict().items()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+    text = "hello graphs, über alles"
+    ids = tokenizer.encode(text)
+    assert ids[0] == config["bos_token_id"]
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_ids == {config["eos_token_id"]}
+
+
+def test_chat_template_renders_the_chat_prompt(checkpoint):
+    _, tokenizer = load_checkpoint(checkpoint, MODELS, torch.float32, "cpu")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = "<s><|system|>Be brief.\n<|user|>Hi\n<|assistant|>"
+    assert tokenizer.render_chat(messages) == expected
+    assert tokenizer.encode_chat(messages) == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_unsupported_or_incomplete_checkpoints_are_clear_errors(checkpoint, tmp_path):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHead"]}))
+    with pytest.raises(NotImplementedError, match="GPT2LMHead"):
+        load_checkpoint(tmp_path, MODELS, torch.float32, "cpu")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_checkpoint(tmp_path, MODELS, torch.float32, "cpu")
+
+
+def test_generate_serves_a_checkpoint(checkpoint, capsys):
+    assert generate_main(["--model", str(checkpoint), "--graph-mode", "piecewise",
+                          "--piece-compiler", "eager", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "piecewise:" in out
+
+
+def test_generate_as_a_script_needs_only_the_core_dependencies():
+    # The README's quick start runs on a machine with torch, numpy, sympy and tqdm only.
+    serving = ("fastapi", "uvicorn", "prometheus_client", "safetensors", "tokenizers")
+    code = (
+        "import runpy, sys\n"
+        "sys.path.insert(0, 'examples')  # what running the file as a script does\n"
+        "sys.argv = ['generate.py', '--preset', 'tiny', '--piece-compiler', 'eager',"
+        " '--max-new-tokens', '3']\n"
+        "try:\n    runpy.run_path('examples/generate.py', run_name='__main__')\n"
+        "except SystemExit as exit:\n    assert not exit.code, exit.code\n"
+        f"print('LOADED', [m for m in {serving!r} if m in sys.modules])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "tokens/s" in result.stdout
+    assert "LOADED []" in result.stdout

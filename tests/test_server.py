@@ -1,0 +1,208 @@
+"""The HTTP server, started on 127.0.0.1 in this process: completions, streaming, bad input,
+disconnects and metrics, through a real HTTP client.
+
+The reference for every graph mode is the eager server's answers to the same 16 concurrent
+requests (mixed prompt lengths, output lengths, streaming or not), all greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from examples.engine import AsyncEngine, build_engine
+from examples.serve import MODELS, BackgroundServer, build_app, parse_args
+from tests.test_checkpoint import write_checkpoint
+
+MAX_MODEL_LEN = 128
+WORDS = "the quick brown fox jumps over the lazy dog hello world paged attention keeps blocks"
+
+
+def request_body(i: int) -> dict:
+    words = WORDS.split()
+    prompt = " ".join(words[(i * 3) % len(words):] + words[: (i * 5) % 11])  # 5..25 words
+    return {"prompt": prompt, "max_tokens": 4 + (i * 7) % 21, "temperature": 0,
+            "stream": i % 2 == 1, "ignore_eos": i % 3 != 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@contextlib.contextmanager
+def serving(model: str, mode: str, *flags: str):
+    args = parse_args(["--model", model, "--graph-mode", mode, "--piece-compiler", "eager",
+                       "--max-num-tokens", "32", "--capture-sizes", "1,2,4,8,16,32",
+                       "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN), *flags])
+    engine, _ = build_engine(args, MODELS)
+    with BackgroundServer(build_app(AsyncEngine(engine), "tiny")) as server:
+        yield server.url
+
+
+async def complete(client: httpx.AsyncClient, body: dict, path="/v1/completions") -> dict:
+    """One request's text, finish reason and token count, streamed or not."""
+    if not body.get("stream"):
+        response = await client.post(path, json=body)
+        assert response.status_code == 200, response.text
+        data = response.json()
+        choice = data["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        return {"text": text, "finish_reason": choice["finish_reason"],
+                "tokens": data["usage"]["completion_tokens"]}
+    events = []
+    async with client.stream("POST", path, json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    return {"text": "".join(c["delta"]["content"] if "delta" in c else c["text"] for c in chunks),
+            "finish_reason": chunks[-1]["finish_reason"], "tokens": len(chunks)}
+
+
+async def complete_all(url: str, bodies: list[dict]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        return await asyncio.gather(*(complete(client, body) for body in bodies))
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{url}/metrics").text
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.fixture(scope="module")
+def eager_url(checkpoint):
+    with serving(str(checkpoint), "eager") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(eager_url):
+    bodies = [request_body(i) for i in range(16)]
+    return asyncio.run(complete_all(eager_url, bodies))
+
+
+def test_reference_completions_are_whole(reference):
+    for i, answer in enumerate(reference):
+        body = request_body(i)
+        assert 1 <= answer["tokens"] <= body["max_tokens"]
+        if body["ignore_eos"]:
+            assert (answer["tokens"], answer["finish_reason"]) == (body["max_tokens"], "length")
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise", "full_decode_only", "full"])
+def test_graph_modes_answer_like_eager(checkpoint, reference, mode):
+    with serving(str(checkpoint), mode) as url:
+        answers = asyncio.run(complete_all(url, [request_body(i) for i in range(16)]))
+        assert answers == reference
+        assert metric(url, "kvgraph_graph_hits_total") > 0
+        assert metric(url, "kvgraph_time_to_first_token_seconds_count") == 16
+        generated = sum(a["tokens"] for a in answers)
+        assert metric(url, "kvgraph_generation_tokens_total") == generated
+        assert metric(url, "kvgraph_inter_token_latency_seconds_count") == generated - 16
+
+
+BAD_REQUESTS = [
+    (b'{"prompt": "hi", ', "body"),
+    (b"[1, 2]", "body"),
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [10**6]}, "prompt"),
+    ({"prompt": "word " * 200}, "prompt"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "7"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": 2.5}, "top_k"),
+    ({"prompt": "hi", "stop": [1]}, "stop"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "seed": "x"}, "seed"),
+]
+
+
+def test_bad_input_is_a_400_naming_the_field(eager_url, reference):
+    before = metric(eager_url, "kvgraph_http_requests_total",
+                    '{endpoint="/v1/completions",status="400"}')
+    with httpx.Client(base_url=eager_url, timeout=30) as client:
+        for body, field in BAD_REQUESTS:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            response = client.post("/v1/completions", content=content)
+            assert response.status_code == 400, (body, response.text)
+            error = response.json()["error"]
+            assert error["param"] == field and field in error["message"], (body, error)
+        for body, field in [({"messages": "hi"}, "messages"), ({"messages": []}, "messages"),
+                            ({"messages": [{"role": "user"}]}, "messages")]:
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400 and response.json()["error"]["param"] == field
+    after = metric(eager_url, "kvgraph_http_requests_total",
+                   '{endpoint="/v1/completions",status="400"}')
+    assert after - before == len(BAD_REQUESTS)
+    # The server is still up, and answers as before.
+    again = asyncio.run(complete_all(eager_url, [request_body(i) for i in range(4)]))
+    assert again == reference[:4]
+
+
+def test_a_client_that_disconnects_frees_its_blocks(eager_url):
+    aborted = metric(eager_url, "kvgraph_requests_aborted_total")
+    body = {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=eager_url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{eager_url}/health").json()
+        if health["kv_blocks_free"] == health["kv_blocks_total"] and health["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["kv_blocks_free"] == health["kv_blocks_total"]
+    assert metric(eager_url, "kvgraph_requests_aborted_total") == aborted + 1
+
+
+def test_chat_completions_render_the_template(eager_url, checkpoint):
+    from tokenizers import Tokenizer
+
+    messages = [{"role": "user", "content": "hello world"}]
+    prompt = Tokenizer.from_file(str(checkpoint / "tokenizer.json")).encode(
+        "<s><|user|>hello world\n<|assistant|>", add_special_tokens=False).ids
+    common = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+    async def both():
+        async with httpx.AsyncClient(base_url=eager_url, timeout=30) as client:
+            return await asyncio.gather(
+                complete(client, {"messages": messages, **common}, "/v1/chat/completions"),
+                complete(client, {"messages": messages, "stream": True, **common},
+                         "/v1/chat/completions"),
+                complete(client, {"prompt": prompt, **common}))
+
+    chat, streamed, completion = asyncio.run(both())
+    assert chat == streamed == completion
+
+
+def test_chat_without_a_template_is_404():
+    args = parse_args(["--preset", "tiny", "--graph-mode", "eager", "--max-model-len", "64",
+                       "--max-num-seqs", "2"])
+    engine, _ = build_engine(args, MODELS)
+    with TestClient(build_app(AsyncEngine(engine), "tiny")) as client:
+        response = client.post("/v1/chat/completions", json={"messages": []})
+        assert response.status_code == 404
+        assert "chat template" in response.json()["error"]["message"]
+        assert client.get("/health").json()["status"] == "ok"

@@ -2,11 +2,17 @@
 # Everything GPU-only in one go, on a machine with a CUDA GPU and torch already installed
 # (nothing is downloaded). Logs and JSON go under $OUT (default ./gpu-check-out).
 #   bash .ci/gpu_check.sh
-# Each stage has its own timeout so one hang cannot eat the run; the whole stays under 8 minutes.
+# Each stage has its own timeout so one hang cannot eat the run; the whole stays under 8 minutes:
+# the profile stage runs only if the stages before it left time for it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check-out}
 mkdir -p "$OUT"
+# kvgraph's compile cache (inductor's inside it), shared by the benchmark stages; not under $OUT,
+# which should hold only logs and JSON.
+CACHE=${KVGRAPH_CHECK_CACHE:-$(mktemp -d)}
+BUDGET_S=480
+PROFILE_S=100
 export PYTHONUNBUFFERED=1
 status=0
 
@@ -29,7 +35,16 @@ stage pytest-cuda 180 python -m pytest -m cuda -q -p no:cacheprovider --timeout 
   --junitxml "$OUT/pytest-cuda.xml"
 stage triton-kernels 120 python -m pytest tests/test_triton_backend.py -q -p no:cacheprovider \
   --timeout 60 --junitxml "$OUT/triton-kernels.xml"
-stage decode-latency 200 python -m examples.benchmarks.decode_latency --device cuda \
-  --preset 1b --dtype bfloat16 --batch-sizes 1 8 64 --cache-dir "$OUT/kvgraph-cache" \
+stage attention-kernels 150 python -m examples.benchmarks.attention_kernels --device cuda \
+  --dtype bfloat16 --json "$OUT/attention_kernels.json"
+stage decode-latency 330 python -m examples.benchmarks.decode_latency --device cuda \
+  --preset 1b --dtype bfloat16 --batch-sizes 1 8 64 --cache-dir "$CACHE" \
   --json "$OUT/decode_latency.json"
+if [ $((SECONDS + PROFILE_S)) -le "$BUDGET_S" ]; then
+  stage decode-profile "$PROFILE_S" python -m examples.benchmarks.decode_latency --device cuda \
+    --preset 1b --dtype bfloat16 --batch-sizes 1 64 --modes piecewise full_and_piecewise \
+    --profile --cache-dir "$CACHE" --json "$OUT/decode_profile.json"
+else
+  echo "=== decode-profile: skipped, ${SECONDS}s gone of the ${BUDGET_S}s budget"
+fi
 exit $status

@@ -1,119 +1,128 @@
-"""Decode-step latency of the Llama example per graph mode, after a parity check against eager.
+"""Decode-step latency of the Llama example: kvgraph per graph mode beside its baselines.
 
-For each mode: build a runner, capture, check that greedy generation matches eager (tokens and
-logits), then time decode steps at several batch sizes. Prints a table, writes JSON.
+In one process, with the same weights and prompts: kvgraph in each graph mode (parity against
+eager, then timed greedy decode steps; the host part of a step timed on its own), a plain
+static-cache Llama under `torch.compile(mode="reduce-overhead")`, HF `generate` with a static
+cache, and the memory-bandwidth bound. Prints a table of median decode-step times (rows: what;
+columns: batch sizes), writes JSON. `--profile` instead prints torch.profiler's top ops of one
+decode step per mode and batch size.
 
-    python -m examples.benchmarks.decode_latency --device cuda          # a GPU machine
-    python -m examples.benchmarks.decode_latency --preset tiny --piece-compiler eager  # smoke
+    python -m examples.benchmarks.decode_latency                  # CPU: small preset, b=1, 16
+    python -m examples.benchmarks.decode_latency --device cuda    # GPU: 1b preset, bf16, b=1, 8, 64
+    python -m examples.benchmarks.decode_latency --device cuda --profile --batch-sizes 1
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import time
+from typing import Any, Iterator
 
 import torch
 
-import kvgraph
-from examples.models.llama import Llama
+from examples.benchmarks import decode_baselines, decode_runner
+from examples.benchmarks.timing import machine, write_json
+from examples.models.llama import PRESETS, Llama
 
 MODES = ["eager", "none", "piecewise", "full_decode_only", "full_and_piecewise"]
-PROMPT_LEN = 16
-BLOCK_SIZE = 16
+DEFAULT_MODES = ["eager", "piecewise", "full_decode_only", "full_and_piecewise"]
+BASELINES = ["static", "hf", "bound"]
+# Per device type: what a run measures unless told otherwise.
+DEVICE_DEFAULTS = {
+    "cpu": {"preset": "small", "dtype": "float32", "batch_sizes": [1, 16]},
+    "cuda": {"preset": "1b", "dtype": "bfloat16", "batch_sizes": [1, 8, 64]},
+}
 
 
-def make_runner(args, mode: str) -> kvgraph.ModelRunner:
-    model = Llama.from_preset(args.preset, device=args.device, dtype=getattr(torch, args.dtype))
-    max_batch = max(args.batch_sizes)
-    max_num_tokens = max(max_batch * PROMPT_LEN, 64)
-    config = kvgraph.CompilationConfig(
-        graph_mode=mode, piece_compiler=args.piece_compiler, max_num_tokens=max_num_tokens,
-        capture_sizes=tuple(sorted({*args.batch_sizes, max_num_tokens})),
-        cache_dir=args.cache_dir or kvgraph.config.default_cache_dir(),
-    )
-    blocks_per_seq = -(-(PROMPT_LEN + args.steps + args.parity_steps + 2) // BLOCK_SIZE)
-    return kvgraph.ModelRunner(model, config, num_blocks=max_batch * blocks_per_seq + 1,
-                               block_size=BLOCK_SIZE, max_num_tokens=max_num_tokens,
-                               max_num_seqs=max_batch, device=args.device,
-                               max_model_len=blocks_per_seq * BLOCK_SIZE)
-
-
-def decode(runner, batch: int, steps: int, vocab: int) -> tuple[list[torch.Tensor], list[float]]:
-    """Prefill `batch` prompts, then `steps` greedy decode steps; logits and per-step seconds."""
-    blocks_per_seq = runner.max_model_len // BLOCK_SIZE
-    generator = torch.Generator().manual_seed(batch)
-    tokens = [torch.randint(vocab, (PROMPT_LEN,), generator=generator).tolist()
-              for _ in range(batch)]
-    tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(batch)]
-    logits = runner.execute([kvgraph.RequestChunk(t, 0, b) for t, b in zip(tokens, tables)])
-    history, times = [logits], []
-    for _ in range(steps):
-        for t, row in zip(tokens, logits):
-            t.append(int(row.argmax()))
-        chunks = [kvgraph.RequestChunk(t[-1:], len(t) - 1, b) for t, b in zip(tokens, tables)]
-        runner.platform.synchronize()
-        start = time.perf_counter()
-        logits = runner.execute(chunks)
-        runner.platform.synchronize()
-        times.append(time.perf_counter() - start)
-        history.append(logits)
-    return history, times
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--preset", default="small")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager"])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="default: small (cpu), 1b")
+    parser.add_argument("--dtype", help="default: float32 (cpu), bfloat16")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 16 (cpu), 1 8 64")
+    parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
     parser.add_argument("--parity-steps", type=int, default=4)
-    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
-    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--modes", nargs="+", default=DEFAULT_MODES, choices=MODES)
+    parser.add_argument("--baselines", nargs="*", default=BASELINES, choices=BASELINES)
+    parser.add_argument("--piece-compiler", default="inductor", choices=["inductor", "eager"])
+    parser.add_argument("--attn-backend", default=None, help="default: the platform's")
+    parser.add_argument("--cache-dir", default=None, help="kvgraph's compile cache")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the top ops of one decode step per mode instead of timing")
     parser.add_argument("--json", default="decode_latency.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.device = torch.device(args.device)
+    for key, value in DEVICE_DEFAULTS.get(args.device.type, DEVICE_DEFAULTS["cuda"]).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.torch_dtype = getattr(torch, args.dtype)
+    # Room for the longest run: prompt, warm-up and timed (or parity) steps, and a spare token.
+    steps = decode_runner.WARMUP_STEPS + max(args.steps, args.parity_steps)
+    args.max_len = args.prompt_len + steps + 2
+    return args
 
-    reference: dict[int, list[torch.Tensor]] = {}
-    results = []
+
+def measure(args: argparse.Namespace, llama: Llama) -> Iterator[dict[str, Any]]:
+    """Every requested row, in turn; kvgraph's first mode (eager by default) is the reference
+    whose greedy tokens every other row is compared with."""
+    weights = llama.state_dict()
+    reference: dict[int, decode_runner.Decoded] = {}
     for mode in args.modes:
-        runner = make_runner(args, mode)
-        start = time.perf_counter()
-        summary = runner.capture()
-        row = {"mode": runner.config.graph_mode.value, "requested": mode,
-               "capture_s": time.perf_counter() - start, "graphs": summary["graphs"],
-               "graph_bytes": summary["bytes"]}
-        vocab = runner.model.config.vocab_size
-        for batch in args.batch_sizes:
-            logits, _ = decode(runner, batch, args.parity_steps, vocab)
-            if mode == args.modes[0]:
-                reference[batch] = logits
-            row[f"max_abs_diff_b{batch}"] = max(
-                (a - b).abs().max().item() for a, b in zip(logits, reference[batch]))
-            row[f"same_tokens_b{batch}"] = all(
-                torch.equal(a.argmax(-1), b.argmax(-1)) for a, b in zip(logits, reference[batch]))
-            _, times = decode(runner, batch, args.steps, vocab)
-            row[f"ms_b{batch}"] = 1000 * statistics.median(times[2:] or times)
-        results.append(row)
-        print(json.dumps(row))
-        del runner  # its graphs and their pool go with it, before the next mode's runner
+        yield decode_runner.measure_mode(args, mode, weights, reference)
+    if "bound" in args.baselines:  # cheap and never failing: before the compiled baselines
+        yield decode_baselines.bound_row(args, llama)
+    tokens = {batch: decoded.tokens for batch, decoded in reference.items()}
+    if "static" in args.baselines:
+        yield decode_baselines.static_row(args, llama, tokens)
+    if "hf" in args.baselines:
+        row = decode_baselines.hf_row(args, llama, tokens)
+        if row is not None:
+            yield row
 
-    header = f"{'mode':<20}" + "".join(f"{'b=' + str(b) + ' ms':>12}" for b in args.batch_sizes)
-    print(f"\n{args.preset} Llama, {args.dtype}, {args.device}, reference {args.modes[0]}")
-    print(header + f"{'parity':>10}")
-    for row in results:
-        parity = all(row[f"same_tokens_b{b}"] for b in args.batch_sizes)
-        print(f"{row['requested']:<20}" + "".join(f"{row[f'ms_b{b}']:>12.2f}" for b in args.batch_sizes)
-              + f"{'ok' if parity else 'DIFF':>10}")
-    machine = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
-               else platform.processor() or platform.machine(),
-               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    with open(args.json, "w") as f:
-        json.dump({"machine": machine, "args": vars(args), "results": results}, f, indent=2)
+
+def table_line(row: dict[str, Any], batches: list[int], key: str = "ms") -> str:
+    """One row: its name, then ms per batch size."""
+    return f"{row['name']:<28}" + "".join(f"{row[key][b]:>10.2f}" for b in batches)
+
+
+def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Median ms per decode step, one column per batch size; token agreement with eager."""
+    print(f"\n{args.preset} Llama, {args.dtype}, {args.device}, prompt {args.prompt_len}, "
+          f"pieces {args.piece_compiler}, median ms per decode step")
+    batches = args.batch_sizes
+    print(f"{'what':<28}" + "".join(f"{'b=' + str(b):>10}" for b in batches) + f"{'tokens':>9}")
+    for row in sorted(rows, key=lambda r: "bytes" in r):  # the bound last
+        matches = [m for m in row.get("token_match", {}).values() if m is not None]
+        print(table_line(row, batches) + (f"{min(matches):>9.2f}" if matches else f"{'-':>9}"))
+    for row in rows:
+        if "host_ms" in row:
+            print(table_line(row, batches, "host_ms") + "  host ms (plan + input fill)")
+    if args.modes:
+        print(f"tokens: the smallest fraction of greedy tokens equal to kvgraph "
+              f"{args.modes[0]}'s")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    llama = Llama.from_preset(args.preset, dtype=args.torch_dtype, device=args.device)
+    payload = {"machine": machine(args.device), "args": vars(args), "complete": False,
+               "results": []}
+    if args.profile:
+        rows = (decode_runner.profile_mode(args, mode, llama.state_dict()) for mode in args.modes)
+    else:
+        rows = measure(args, llama)
+    for row in rows:
+        payload["results"].append(row)
+        payload.setdefault("attn_backend", row.get("attn_backend"))
+        write_json(args.json, payload)  # after every row: a run cut short keeps what it measured
+        if not args.profile:
+            print(table_line(row, args.batch_sizes), flush=True)
+    if not args.profile:
+        print_table(args, payload["results"])
+    payload["complete"] = True
+    write_json(args.json, payload)
     print(f"wrote {args.json}")
+    return payload
 
 
 if __name__ == "__main__":

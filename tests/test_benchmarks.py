@@ -1,0 +1,79 @@
+"""The benchmark scripts run end to end on their tiniest CPU configs, and their baseline model
+computes what the example Llama computes."""
+
+import importlib.util
+import json
+
+import torch
+
+import kvgraph
+from examples.benchmarks import attention_kernels, decode_latency
+from examples.benchmarks.static_llama import StaticLlama
+from examples.models.llama import Llama
+
+
+def kvgraph_greedy(model: Llama, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    """Eager kvgraph logits of the prompt's last token, then of `steps` greedy tokens."""
+    caches = kvgraph.allocate_kv_caches(kvgraph.kv_cache_specs(model, 16, torch.float32), 8, "cpu")
+    kvgraph.bind_kv_cache(kvgraph.attention_layers(model), caches)
+    chunk, logits = kvgraph.RequestChunk(prompt, 0, list(range(1, 8))), []
+    for _ in range(steps + 1):
+        metadata = kvgraph.build_attention_metadata([chunk], 16)
+        input_ids, positions = kvgraph.build_model_inputs([chunk])
+        with torch.no_grad(), kvgraph.set_forward_context(metadata):
+            logits.append(model.compute_logits(model(input_ids, positions))[-1])
+        chunk = kvgraph.RequestChunk([int(logits[-1].argmax())], chunk.seq_len, chunk.block_ids)
+    return logits
+
+
+def test_static_llama_matches_the_example_llama():
+    llama = Llama.from_preset("tiny")
+    prompt = torch.randint(256, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = kvgraph_greedy(llama, prompt, steps=3)
+    static = StaticLlama.like(llama)
+    static.setup_cache(batch=1, max_len=32)
+    with torch.no_grad():
+        got = [static(torch.tensor([prompt]), torch.arange(12))[0]]
+        for position in range(12, 15):
+            token = torch.tensor([[int(got[-1].argmax())]])
+            got.append(static(token, torch.tensor([position]))[0])
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-5, rtol=1e-4)
+
+
+def test_decode_latency_runs_on_a_tiny_config(tmp_path, compile_cache_dir):
+    out = tmp_path / "decode.json"
+    payload = decode_latency.main([
+        "--preset", "tiny", "--piece-compiler", "eager", "--batch-sizes", "2",
+        "--prompt-len", "8", "--steps", "1", "--parity-steps", "2",
+        "--modes", "eager", "full_decode_only", "--baselines", "hf", "bound",
+        "--cache-dir", compile_cache_dir, "--json", str(out),
+    ])
+    rows = {row["name"]: row for row in payload["results"]}
+    assert {"kvgraph eager", "kvgraph full_decode_only", "memory bound"} <= rows.keys()
+    if importlib.util.find_spec("transformers") is not None:
+        assert "hf static cache" in rows  # on a CPU HF does not compile its decode step
+    for name, row in rows.items():  # the HF row is skipped without transformers
+        if name != "memory bound":
+            assert row["token_match"] == {2: 1.0}, name
+    assert all(ms > 0 for ms in rows["kvgraph full_decode_only"]["host_ms"].values())
+    assert payload["attn_backend"] == "torch_native"
+    assert json.loads(out.read_text())["results"]
+
+
+def test_decode_latency_profiles_a_step(tmp_path, compile_cache_dir, capsys):
+    payload = decode_latency.main([
+        "--preset", "tiny", "--piece-compiler", "eager", "--batch-sizes", "2",
+        "--prompt-len", "8", "--modes", "full_decode_only", "--profile",
+        "--cache-dir", compile_cache_dir, "--json", str(tmp_path / "profile.json"),
+    ])
+    assert "self_cpu" in payload["results"][0]["profiles"][2]
+    assert "one decode step, by self_cpu time" in capsys.readouterr().out
+
+
+def test_attention_kernels_smoke(tmp_path):
+    payload = attention_kernels.main(["--smoke", "--json", str(tmp_path / "attention.json")])
+    assert len(payload["rows"]) == len(attention_kernels.CASE_SETS["smoke"])
+    for row in payload["rows"]:
+        for name in payload["backends"]:
+            assert row["max_abs_diff"][name] < 1e-4, (row["case"], name)
+            assert row["ms"][name] > 0

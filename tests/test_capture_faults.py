@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 
+from kvgraph import GraphMode
 from kvgraph.attention.backends import register_attention_backend
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
 from kvgraph.forward_context import get_forward_context
@@ -28,7 +29,19 @@ class CannotCaptureFourTokens(TorchNativeBackend):
         return super().forward(query, *args, **kwargs)
 
 
+class CannotCaptureFourTokensInAFullGraph(TorchNativeBackend):
+    name = "test_cannot_capture_four_in_full"
+
+    def forward(self, query, *args, **kwargs):
+        context = get_forward_context()
+        if (context.graphs is not None and context.graphs.capturing
+                and context.runtime_mode is GraphMode.FULL and query.shape[0] == FAILING_SIZE):
+            raise RuntimeError("out of memory while recording the graph (test backend)")
+        return super().forward(query, *args, **kwargs)
+
+
 register_attention_backend(CannotCaptureFourTokens)
+register_attention_backend(CannotCaptureFourTokensInAFullGraph)
 
 
 @pytest.mark.usefixtures("fresh_compile_state", "allow_capture_failures")
@@ -53,3 +66,21 @@ def test_a_failed_capture_runs_without_its_graph_and_the_rest_keep_working(mode,
     stats = runner.stats()
     assert stats["uncaptured"] > 0, "the failed descriptor's batches ran without graphs"
     assert stats["graphs"]["replays"] > 0, "the other graphs are used"
+
+
+@pytest.mark.usefixtures("fresh_compile_state", "allow_capture_failures")
+def test_batches_of_a_failed_full_graph_use_the_same_size_s_piecewise_graphs():
+    eager = make_runner("llama", "eager")
+    expected, expected_tokens = generate(eager, eager.model.config.vocab_size)
+    runner = make_runner("llama", "full_and_piecewise",
+                         attn_backend=CannotCaptureFourTokensInAFullGraph.name)
+    assert runner.capture()["failed"] == [
+        f"full:BatchDescriptor(num_tokens={FAILING_SIZE}, num_reqs={FAILING_SIZE}, "
+        f"uniform_decode=True)"]
+    logits, tokens = generate(runner, runner.model.config.vocab_size)
+    assert tokens == expected_tokens
+    torch.testing.assert_close(logits, expected, **TOLERANCE)
+    stats = runner.stats()
+    assert stats["uncaptured"] == 0
+    assert stats["hits"].get(f"piecewise:BatchDescriptor(num_tokens={FAILING_SIZE}, "
+                             "num_reqs=None, uniform_decode=False)", 0) > 0

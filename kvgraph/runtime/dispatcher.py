@@ -110,6 +110,11 @@ class Dispatcher:
     def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool
                  ) -> tuple[GraphMode, BatchDescriptor]:
         mode, descriptor = self._choose(num_tokens, num_reqs, uniform_decode)
+        if mode is GraphMode.FULL and (mode, descriptor) not in self.captured:
+            # A full graph that failed to capture: the same size's piecewise graphs may exist.
+            piecewise = (GraphMode.PIECEWISE, BatchDescriptor(descriptor.num_tokens))
+            if piecewise in self.captured:
+                mode, descriptor = piecewise
         if mode is not GraphMode.NONE and (mode, descriptor) not in self.captured:
             self.stats.uncaptured += 1
             if not self._warned_uncaptured:

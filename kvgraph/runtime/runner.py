@@ -97,8 +97,9 @@ class ModelRunner:
 
         The summary counts the graphs this call captured and its seconds; `bytes` and
         `bytes_by_descriptor` are what all of this runner's graphs hold. A descriptor whose
-        capture fails is listed in `failed` and logged; its batches run without graphs and
-        the other descriptors are captured as usual.
+        capture fails is listed in `failed` and logged; its batches run on the same size's
+        piecewise graphs if there are any, else without graphs, and the other descriptors are
+        captured as usual.
         """
         from tqdm import tqdm
 

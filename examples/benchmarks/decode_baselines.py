@@ -45,9 +45,13 @@ def static_decode(model: StaticLlama, step, batch: int, args, steps: int):
     model.setup_cache(batch, args.max_len)
     positions = torch.arange(args.max_len, device=args.device)
     with torch.no_grad():
-        token = model(prompt_ids(batch, args, model.config.vocab_size),
-                      positions[:args.prompt_len]).argmax(-1, keepdim=True)
-        tokens, seconds = [token], []
+        ids = prompt_ids(batch, args, model.config.vocab_size)
+        synchronize(args.device)
+        start = time.perf_counter()
+        token = model(ids, positions[:args.prompt_len]).argmax(-1, keepdim=True)
+        synchronize(args.device)
+        seconds = [time.perf_counter() - start]  # the prefill first, then each decode step
+        tokens = [token]
         for pos in range(args.prompt_len, args.prompt_len + steps):
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed
             start = time.perf_counter()
@@ -63,12 +67,14 @@ def static_row(args, llama: Llama, reference: Mapping[int, torch.Tensor]) -> dic
     """The static-cache Llama under `torch.compile(mode="reduce-overhead")`."""
     model = StaticLlama.like(llama)
     step = torch.compile(model, mode="reduce-overhead", fullgraph=True, dynamic=False)
-    row: dict[str, Any] = {"name": "static + reduce-overhead", "ms": {}, "token_match": {}}
+    row: dict[str, Any] = {"name": "static + reduce-overhead", "ms": {}, "token_match": {},
+                           "prefill_tok_s": {}}
     for batch in args.batch_sizes:
         tokens, _ = static_decode(model, step, batch, args, args.parity_steps)
         row["token_match"][batch] = token_match(tokens, reference.get(batch))
         _, seconds = static_decode(model, step, batch, args, WARMUP_STEPS + args.steps)
-        row["ms"][batch] = median_ms(seconds[WARMUP_STEPS:])
+        row["ms"][batch] = median_ms(seconds[1 + WARMUP_STEPS:])
+        row["prefill_tok_s"][batch] = batch * args.prompt_len / seconds[0]
     del model, step
     free_compiled()
     return row
@@ -103,6 +109,14 @@ def hf_batch(model, batch: int, args, reference: torch.Tensor | None) -> tuple[f
     return 1000 * statistics.median(deltas), match
 
 
+def hf_prefill_tok_s(model, batch: int, args) -> float:
+    """Tokens per second of HF's forward over `batch` prompts at once (its prefill)."""
+    ids = prompt_ids(batch, args, model.config.vocab_size)
+    with torch.no_grad():
+        model(ids)  # warm-up
+        return batch * args.prompt_len / timed(lambda: model(ids), args.device)
+
+
 def hf_row(args, llama: Llama, reference: Mapping[int, torch.Tensor]) -> dict[str, Any] | None:
     """HF generate with a static cache; None (with the reason printed) without transformers."""
     try:
@@ -110,10 +124,11 @@ def hf_row(args, llama: Llama, reference: Mapping[int, torch.Tensor]) -> dict[st
     except ImportError as error:
         print(f"skipping the HF row: transformers is not importable ({error})")
         return None
-    row: dict[str, Any] = {"ms": {}, "token_match": {}}
+    row: dict[str, Any] = {"ms": {}, "token_match": {}, "prefill_tok_s": {}}
     for batch in args.batch_sizes:
         row["ms"][batch], row["token_match"][batch] = hf_batch(model, batch, args,
                                                                reference.get(batch))
+        row["prefill_tok_s"][batch] = hf_prefill_tok_s(model, batch, args)
     row["compiled"] = hasattr(model, "_compiled_call")  # HF compiles where it chooses to
     row["name"] = "hf static cache" + (", compiled" if row["compiled"] else "")
     del model

@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace, llama: Llama) -> Iterator[dict[str, Any]]:
 
 
 def table_line(row: dict[str, Any], batches: list[int], key: str = "ms") -> str:
-    """One row: its name, then ms per batch size."""
+    """One row: its name, then its `key` (ms by default) per batch size."""
     return f"{row['name']:<28}" + "".join(f"{row[key][b]:>10.2f}" for b in batches)
 
 
@@ -97,6 +97,9 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     for row in rows:
         if "host_ms" in row:
             print(table_line(row, batches, "host_ms") + "  host ms (plan + input fill)")
+    for row in rows:
+        if "prefill_tok_s" in row:
+            print(table_line(row, batches, "prefill_tok_s") + "  prefill tokens/s (one step)")
     if args.modes:
         print(f"tokens: the smallest fraction of greedy tokens equal to kvgraph "
               f"{args.modes[0]}'s")

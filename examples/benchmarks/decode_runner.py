@@ -30,6 +30,7 @@ class Decoded:
     logits: list[torch.Tensor]
     step_s: list[float]
     host_s: list[float]
+    prefill_s: float
 
 
 def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
@@ -73,8 +74,12 @@ class Requests:
         self.tokens = prompts(batch, prompt_len, runner.model.config.vocab_size)
         self.tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
                        for i in range(batch)]
-        self.logits = runner.execute([kvgraph.RequestChunk(t, 0, b)
-                                      for t, b in zip(self.tokens, self.tables)])
+        chunks = [kvgraph.RequestChunk(t, 0, b) for t, b in zip(self.tokens, self.tables)]
+        synchronize(runner.device)
+        start = time.perf_counter()
+        self.logits = runner.execute(chunks)
+        synchronize(runner.device)
+        self.prefill_s = time.perf_counter() - start  # every prompt in one step
 
     def next_chunks(self) -> list[kvgraph.RequestChunk]:
         """Append each request's greedy token; the decode step that feeds them."""
@@ -102,7 +107,7 @@ def decode(runner: kvgraph.ModelRunner, batch: int, args, steps: int) -> Decoded
         synchronize(runner.device)
         step_s.append(time.perf_counter() - start)
         history.append(requests.logits)
-    return Decoded(requests.generated(), history, step_s, host_s)
+    return Decoded(requests.generated(), history, step_s, host_s, requests.prefill_s)
 
 
 def token_match(tokens: torch.Tensor, reference: torch.Tensor | None) -> float | None:
@@ -122,7 +127,7 @@ def measure_mode(args, mode: str, weights: Mapping[str, torch.Tensor],
         "name": f"kvgraph {mode}", "mode": runner.config.graph_mode.value,
         "attn_backend": runner.attn_backend, "capture_s": summary["seconds"],
         "graphs": summary["graphs"], "graph_bytes": summary["bytes"],
-        "ms": {}, "host_ms": {}, "token_match": {}, "max_abs_diff": {},
+        "ms": {}, "host_ms": {}, "prefill_tok_s": {}, "token_match": {}, "max_abs_diff": {},
     }
     for batch in args.batch_sizes:
         parity = decode(runner, batch, args, args.parity_steps)
@@ -133,6 +138,8 @@ def measure_mode(args, mode: str, weights: Mapping[str, torch.Tensor],
         timed = decode(runner, batch, args, WARMUP_STEPS + args.steps)
         row["ms"][batch] = median_ms(timed.step_s[WARMUP_STEPS:])
         row["host_ms"][batch] = median_ms(timed.host_s[WARMUP_STEPS:])
+        # The parity run's prefill warmed this batch size up: the timed run's is steady.
+        row["prefill_tok_s"][batch] = batch * args.prompt_len / timed.prefill_s
     runner.close()  # its graphs and pool go now, before the next mode's runner is built
     return row
 

@@ -27,6 +27,7 @@ PIECE_COMPILERS = ("inductor", "eager")
 # What happens to a piece inductor fails to build: run it uncompiled (with a warning), or raise.
 ON_COMPILE_ERROR = ("eager", "raise")
 PASSES = tuple(REGISTERED_PASSES)
+MAX_DEFAULT_CAPTURE_SIZE = 512  # the largest default capture size (see capture_size_list)
 # torch.compile's modes kvgraph accepts; "reduce-overhead" (graphs on) is refused: kvgraph's
 # graphs are chosen by graph_mode, and inductor must never add graphs of its own.
 TORCH_COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
@@ -124,13 +125,19 @@ class CompilationConfig:
 
     @property
     def capture_size_list(self) -> tuple[int, ...]:
-        """The capture sizes in force: the user's, or 1, 2, 4, 8, then steps of 8 up to the max."""
+        """The capture sizes in force: the user's, or 1, 2, 4, 8, then steps of 8 up to
+        `max_num_tokens` or 512, whichever is smaller.
+
+        Above 512 tokens a step's kernels dwarf their launches, so graphs would buy nothing
+        for the capture time and memory they cost; larger batches run without graphs.
+        """
         if self.capture_sizes is not None:
             return self.capture_sizes
-        sizes = [s for s in (1, 2, 4) if s < self.max_num_tokens]
-        sizes += range(8, self.max_num_tokens + 1, 8)
-        if sizes[-1:] != [self.max_num_tokens]:
-            sizes.append(self.max_num_tokens)
+        largest = min(self.max_num_tokens, MAX_DEFAULT_CAPTURE_SIZE)
+        sizes = [s for s in (1, 2, 4) if s < largest]
+        sizes += range(8, largest + 1, 8)
+        if sizes[-1:] != [largest]:
+            sizes.append(largest)
         return tuple(sorted(set(sizes)))
 
     @property

@@ -108,6 +108,12 @@ def test_default_capture_size_list_small_max(max_num_tokens, expected):
     assert make(max_num_tokens=max_num_tokens).capture_size_list == expected
 
 
+def test_default_capture_sizes_stop_at_512_whatever_max_num_tokens():
+    assert make(max_num_tokens=8192).capture_size_list == make().capture_size_list
+    assert make(max_num_tokens=8192).capture_size_list[-1] == 512
+    assert make(max_num_tokens=516).capture_size_list[-2:] == (504, 512)
+
+
 def test_user_capture_sizes_sorted_and_deduplicated():
     config = make(max_num_tokens=64, capture_sizes=[16, 1, 4, 16, 2, 64])
     assert config.capture_sizes == (1, 2, 4, 16, 64)

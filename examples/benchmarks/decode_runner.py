@@ -46,9 +46,9 @@ def make_runner(args, mode: str, weights: Mapping[str, torch.Tensor]) -> kvgraph
     max_batch = max(args.batch_sizes)
     max_num_tokens = max(max_batch * args.prompt_len, 64)
     cache = {"cache_dir": args.cache_dir} if args.cache_dir else {}  # else kvgraph's default
-    config = kvgraph.CompilationConfig(
+    config = kvgraph.CompilationConfig(  # the default capture sizes, as a server has them
         graph_mode=mode, piece_compiler=args.piece_compiler, max_num_tokens=max_num_tokens,
-        capture_sizes=tuple(sorted({*args.batch_sizes, max_num_tokens})), **cache,
+        **cache,
     )
     blocks_per_seq = -(-args.max_len // BLOCK_SIZE)
     return kvgraph.ModelRunner(model, config, num_blocks=max_batch * blocks_per_seq + 1,

@@ -132,6 +132,30 @@ def test_mla_matches_dense_reference(kind):
     check_caches(batch)
 
 
+def test_mla_over_head_blocks_query_blocks_splits_and_padding():
+    """18 heads (two head blocks, one partial), prefills over several query blocks, 4 key
+    splits, and padding tokens, which come out as zeros."""
+    from random import Random
+
+    from kvgraph.attention.backends.triton.mla import mla_attention
+    from tests.attention_reference import make_chunks, mla_batch
+
+    chunks, num_blocks = make_chunks([(0, 9), (6, 1), (3, 7), (0, 1)], 4, Random(5))
+    batch = mla_batch(chunks, num_blocks, 4, num_heads=18, dtype=torch.float32, seed=5)
+    md, inputs = with_padding(batch, 3)
+    q_latent, q_pe, kv_c, k_pe = inputs
+    backend = get_attention_backend("triton", DEVICE)
+    for splits in (None, 4):
+        caches = [c.clone() for c in batch.caches]
+        out = torch.full_like(q_latent, float("nan"))
+        backend.forward_mla(q_latent, q_pe, kv_c, k_pe, caches, out, md, batch.scale)
+        if splits:  # the write is done: attend again over the written caches with splits
+            out = torch.full_like(q_latent, float("nan"))
+            mla_attention(q_latent, q_pe, *caches, out, md, batch.scale, num_splits=splits)
+        assert_close(out[:batch.num_tokens], batch.ref, torch.float32)
+        assert (out[batch.num_tokens:] == 0).all()
+
+
 @pytest.mark.parametrize("window", [None, 2])
 def test_encoder_attention_matches_dense_reference(window):
     md, q, k, v, _ = encoder_batch(num_heads=4, num_kv_heads=2)

@@ -1,4 +1,8 @@
-"""Causal paged multi-head latent attention over `(kv_c_cache, k_pe_cache)`."""
+"""Causal paged multi-head latent attention over `(kv_c_cache, k_pe_cache)`, with split-KV.
+
+Every query head reads the same latent cache, so a program serves a block of heads at once:
+each cached row is read once per head block, not once per head.
+"""
 
 from __future__ import annotations
 
@@ -7,79 +11,146 @@ import triton
 import triton.language as tl
 
 from kvgraph.attention.backends.triton.paged import (
+    block_q,
     keys_per_tile,
-    load_head_row,
-    online_softmax_step,
-    request_of,
+    merge_splits,
+    num_kv_splits,
+    query_block,
     rows_contiguous,
-    softmax_start,
-    store_head_row,
+    split_buffers,
 )
 from kvgraph.attention.metadata import AttentionMetadata
+
+# Rows (tokens x heads) per program: the fp32 accumulator is rows x the latent size (512 in
+# DeepSeek), so more rows would not fit in registers.
+MLA_ROWS = 16
+
+
+@triton.jit
+def _load_rows(ptr, tokens, heads, token_stride, head_stride, valid, SIZE: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """Rows (tokens[i], heads[i]) of a `[T, H, SIZE]` tensor as fp32 `[rows, BLOCK]`."""
+    dims = tl.arange(0, BLOCK)
+    return tl.load(ptr + tokens[:, None] * token_stride + heads[:, None] * head_stride
+                   + dims[None, :], mask=valid[:, None] & (dims < SIZE)[None, :],
+                   other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _mla_attention_kernel(
     out_ptr, q_latent_ptr, q_pe_ptr, kv_c_cache_ptr, k_pe_cache_ptr, block_table_ptr,
-    seq_lens_ptr, query_start_loc_ptr, scale, num_reqs, block_table_stride,
+    seq_lens_ptr, query_start_loc_ptr, scale, num_tokens, num_reqs, block_table_stride,
     q_token_stride, q_head_stride, pe_token_stride, pe_head_stride, out_token_stride,
-    out_head_stride, NUM_HEADS: tl.constexpr, LATENT: tl.constexpr, LATENT_BLOCK: tl.constexpr,
-    ROPE: tl.constexpr, ROPE_BLOCK: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
-    REQS: tl.constexpr,
+    out_head_stride, partial_ptr, partial_stats_ptr,
+    NUM_HEADS: tl.constexpr, HEADS: tl.constexpr, LATENT: tl.constexpr,
+    LATENT_BLOCK: tl.constexpr, ROPE: tl.constexpr, ROPE_BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, REQS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One program per (token, head): causal MLA, scores `q_latent·kv_c + q_pe·k_pe`, output
-    `softmax · kv_c` (in the latent space)."""
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    request, real, query_start, query_len = request_of(token, query_start_loc_ptr, num_reqs,
-                                                        REQS)
-    seq_len = tl.load(seq_lens_ptr + request)
-    last_key = (seq_len - query_len + token - query_start) * real + real - 1
+    """One program per (block of one request's query tokens, block of HEADS heads, key split):
+    causal MLA with scores `q_latent·kv_c + q_pe·k_pe` and output `softmax · kv_c` (in the
+    latent space), as tensor-core dots over tiles of KEYS cached rows. With several splits
+    each writes its part for the merge; programs past every request write zeros."""
+    split = tl.program_id(2)
+    request, first, end = query_block(tl.program_id(0), query_start_loc_ptr, num_reqs, BLOCK_Q,
+                                      REQS)
+    end = tl.minimum(end, num_tokens)
+    rows = tl.arange(0, ROWS)
+    tokens = first + rows // HEADS
+    heads = tl.program_id(1) * HEADS + rows % HEADS
+    row_valid = (rows < BLOCK_Q * HEADS) & (tokens < end) & (heads < NUM_HEADS)
 
+    real = (request >= 0).to(tl.int32)
+    request = tl.maximum(request, 0)
+    seq_len = tl.load(seq_lens_ptr + request)
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
+    positions = seq_len - query_len + (tokens - query_start)
+    # Scalar arithmetic, not tl.where: Triton 3.6's interpreter cannot loop to a tl.where.
+    last_key = real * (seq_len - query_len + (end - 1 - query_start) + 1) - 1
+    split_len = (tl.maximum(last_key + 1, 0) + NUM_SPLITS - 1) // NUM_SPLITS
+    first_key = split * split_len
+    last_key = tl.minimum(first_key + split_len - 1, last_key)
+
+    q_latent = _load_rows(q_latent_ptr, tokens, heads, q_token_stride, q_head_stride, row_valid,
+                          LATENT, LATENT_BLOCK)
+    q_pe = _load_rows(q_pe_ptr, tokens, heads, pe_token_stride, pe_head_stride, row_valid, ROPE,
+                      ROPE_BLOCK)
     latent = tl.arange(0, LATENT_BLOCK)
-    latent_mask = latent < LATENT
     rope = tl.arange(0, ROPE_BLOCK)
-    rope_mask = rope < ROPE
-    q_latent = load_head_row(q_latent_ptr, token, head, q_token_stride, q_head_stride, LATENT,
-                             LATENT_BLOCK)
-    q_pe = load_head_row(q_pe_ptr, token, head, pe_token_stride, pe_head_stride, ROPE, ROPE_BLOCK)
-    row_max, row_sum, acc = softmax_start(LATENT_BLOCK)
+    row_max = tl.full((ROWS,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((ROWS,), tl.float32)
+    acc = tl.zeros((ROWS, LATENT_BLOCK), tl.float32)
     offsets = tl.arange(0, KEYS)
-    for start in range(0, last_key + 1, KEYS):
-        positions = start + offsets
-        visible = positions <= last_key
-        blocks = tl.load(block_table_ptr + request * block_table_stride + positions // BLOCK_SIZE,
-                         mask=visible, other=0).to(tl.int64)
-        slots = blocks * BLOCK_SIZE + positions % BLOCK_SIZE
+    for start in range(first_key, last_key + 1, KEYS):
+        key_positions = start + offsets
+        in_range = key_positions <= last_key
+        blocks = tl.load(block_table_ptr + request * block_table_stride
+                         + key_positions // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        slots = blocks * BLOCK_SIZE + key_positions % BLOCK_SIZE
         kv_c = tl.load(kv_c_cache_ptr + slots[:, None] * LATENT + latent[None, :],
-                       mask=visible[:, None] & latent_mask[None, :], other=0.0).to(tl.float32)
+                       mask=in_range[:, None] & (latent < LATENT)[None, :],
+                       other=0.0).to(tl.float32)
         k_pe = tl.load(k_pe_cache_ptr + slots[:, None] * ROPE + rope[None, :],
-                       mask=visible[:, None] & rope_mask[None, :], other=0.0).to(tl.float32)
-        scores = (tl.sum(kv_c * q_latent[None, :], axis=1)
-                  + tl.sum(k_pe * q_pe[None, :], axis=1)) * scale
+                       mask=in_range[:, None] & (rope < ROPE)[None, :], other=0.0).to(tl.float32)
+        scores = (tl.dot(q_latent, tl.trans(kv_c), input_precision=PRECISION)
+                  + tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)) * scale
+        visible = (row_valid[:, None] & in_range[None, :]
+                   & (key_positions[None, :] <= positions[:, None]))
         scores = tl.where(visible, scores, float("-inf"))
-        row_max, row_sum, acc = online_softmax_step(scores, kv_c, row_max, row_sum, acc)
-    store_head_row(out_ptr, acc / tl.maximum(row_sum, 1e-30), token, head, out_token_stride,
-                   out_head_stride, LATENT, LATENT_BLOCK)
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet
+        correction = tl.exp(row_max - safe_max)
+        weights = tl.exp(scores - safe_max[:, None])
+        row_sum = row_sum * correction + tl.sum(weights, axis=1)
+        acc = acc * correction[:, None] + tl.dot(weights, kv_c, input_precision=PRECISION)
+        row_max = new_max
+    if NUM_SPLITS == 1:
+        result = acc / tl.maximum(row_sum, 1e-30)[:, None]  # no visible key: zeros, never NaN
+        tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
+                 + latent[None, :], result.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & (latent < LATENT)[None, :])
+    else:
+        parts = (tokens * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(partial_ptr + parts[:, None] * LATENT_BLOCK + latent[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(partial_stats_ptr + parts * 2, row_max, mask=row_valid)
+        tl.store(partial_stats_ptr + parts * 2 + 1, row_sum, mask=row_valid)
 
 
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor,
                   k_pe_cache: torch.Tensor, out: torch.Tensor, metadata: AttentionMetadata,
-                  scale: float) -> None:
-    """Causal paged MLA of `q_latent` `[T, H, L]` and `q_pe` `[T, H, R]`, into `out`."""
+                  scale: float, num_splits: int | None = None) -> None:
+    """Causal paged MLA of `q_latent` `[T, H, L]` and `q_pe` `[T, H, R]`, into `out`.
+
+    `num_splits` (a power of two; default `num_kv_splits`) splits each query's keys into
+    ranges computed in parallel and merged after (flash-decoding).
+    """
     num_tokens, num_heads, latent = q_latent.shape
     num_reqs = metadata.seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         out.zero_()
         return
     rope, block_size = q_pe.shape[-1], kv_c_cache.shape[1]
+    heads = min(MLA_ROWS, triton.next_power_of_2(num_heads))  # per program
+    tokens_per_program = block_q(metadata.max_query_len, heads, MLA_ROWS)
+    query_blocks = triton.cdiv(num_tokens, tokens_per_program)
+    head_blocks = triton.cdiv(num_heads, heads)
+    splits = num_splits or num_kv_splits(query_blocks * head_blocks, q_latent.device)
+    latent_block = max(16, triton.next_power_of_2(latent))  # tensor-core dots need 16
+    partial, partial_stats = split_buffers(out, splits, latent_block)
     q_latent, q_pe = rows_contiguous(q_latent), rows_contiguous(q_pe)
-    _mla_attention_kernel[(num_tokens, num_heads)](
+    _mla_attention_kernel[(query_blocks + num_reqs + 1, head_blocks, splits)](
         out, q_latent, q_pe, kv_c_cache, k_pe_cache, metadata.block_table, metadata.seq_lens,
-        metadata.query_start_loc, scale, num_reqs, metadata.block_table.stride(0),
-        *q_latent.stride()[:2], *q_pe.stride()[:2], *out.stride()[:2], NUM_HEADS=num_heads,
-        LATENT=latent,
-        LATENT_BLOCK=triton.next_power_of_2(latent), ROPE=rope,
-        ROPE_BLOCK=triton.next_power_of_2(rope), BLOCK_SIZE=block_size,
+        metadata.query_start_loc, scale, num_tokens, num_reqs, metadata.block_table.stride(0),
+        *q_latent.stride()[:2], *q_pe.stride()[:2], *out.stride()[:2], partial, partial_stats,
+        NUM_HEADS=num_heads, HEADS=heads, LATENT=latent, LATENT_BLOCK=latent_block, ROPE=rope,
+        ROPE_BLOCK=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=block_size,
         KEYS=keys_per_tile(block_size), REQS=triton.next_power_of_2(num_reqs),
+        NUM_SPLITS=splits, BLOCK_Q=tokens_per_program,
+        ROWS=max(16, triton.next_power_of_2(tokens_per_program * heads)),
+        PRECISION="ieee" if kv_c_cache.dtype == torch.float32 else "tf32",
     )
+    if splits > 1:
+        merge_splits(out, partial, partial_stats)

@@ -107,3 +107,90 @@ def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def keys_per_tile(block_size: int) -> int:
     return max(16, min(64, triton.next_power_of_2(block_size)))
+
+
+@triton.jit
+def query_block(block, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr,
+                 REQS: tl.constexpr):
+    """The query tokens program `block` covers: (request, first token, end token). Each
+    request's tokens are cut into blocks of BLOCK_Q; blocks past every request's cover the
+    padding tokens after the last request (request -1).
+
+    Scalar arithmetic, not tl.where: Triton 3.6's interpreter cannot loop to a tl.where."""
+    reqs = tl.arange(0, REQS)
+    starts = tl.load(query_start_loc_ptr + reqs, mask=reqs < num_reqs, other=0)
+    ends = tl.load(query_start_loc_ptr + 1 + reqs, mask=reqs < num_reqs, other=0)
+    blocks = (ends - starts + BLOCK_Q - 1) // BLOCK_Q
+    first_blocks = tl.cumsum(blocks, axis=0) - blocks
+    total = tl.sum(blocks, axis=0)
+    in_request = (block < total).to(tl.int32)
+    # Requests whose blocks all come before `block` (empty ones included) precede its own.
+    request = tl.minimum(tl.sum((first_blocks + blocks <= block).to(tl.int32), axis=0),
+                         num_reqs - 1)
+    first_block = tl.sum((reqs == request).to(tl.int32) * first_blocks, axis=0)
+    query_start = tl.load(query_start_loc_ptr + request)
+    query_end = tl.load(query_start_loc_ptr + request + 1)
+    padding_start = tl.load(query_start_loc_ptr + num_reqs)
+    first = (in_request * (query_start + (block - first_block) * BLOCK_Q)
+             + (1 - in_request) * (padding_start + (block - total) * BLOCK_Q))
+    end = in_request * tl.minimum(first + BLOCK_Q, query_end) + (1 - in_request) * (first + BLOCK_Q)
+    return in_request * (request + 1) - 1, first, end
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, partial_ptr, partial_stats_ptr, out_token_stride,
+                         out_head_stride, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
+                         HEAD_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """One program per (token, head): the softmax over all keys from its splits' parts."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    parts = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    maxima = tl.load(partial_stats_ptr + parts * 2)
+    sums = tl.load(partial_stats_ptr + parts * 2 + 1)
+    top = tl.max(maxima, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no key in any split: all weights 0
+    weights = tl.exp(maxima - top)
+    dims = tl.arange(0, HEAD_BLOCK)
+    accs = tl.load(partial_ptr + parts[:, None] * HEAD_BLOCK + dims[None, :])
+    total = tl.sum(weights * sums, axis=0)
+    result = tl.sum(weights[:, None] * accs, axis=0) / tl.maximum(total, 1e-30)
+    store_head_row(out_ptr, result, token, head, out_token_stride, out_head_stride, HEAD_SIZE,
+                   HEAD_BLOCK)
+
+
+def block_q(max_query_len: int, heads: int, rows: int = 64) -> int:
+    """Query tokens per program: one for decode; for longer queries, enough that a program's
+    rows (tokens x the query heads it serves) fill a `rows`-row tile."""
+    return 1 if max_query_len == 1 else max(1, rows // triton.next_power_of_2(heads))
+
+
+def num_kv_splits(programs: int, device: torch.device) -> int:
+    """How many key ranges each program's keys are split into: on a GPU enough that a small
+    batch (long-context decode) still fills it, else one; on the interpreter one (splits buy
+    parallelism it does not have). Shapes only, so a captured graph keeps its choice."""
+    if device.type != "cuda" or programs >= 256:
+        return 1
+    return min(16, triton.next_power_of_2(256 // programs))
+
+
+def split_buffers(out: torch.Tensor, splits: int, head_block: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (token, head, split)'s partial output and (row max, row sum) for `merge_splits`;
+    with one split nothing (the kernels then write `out` directly)."""
+    if splits == 1:
+        return out, out
+    num_tokens, num_heads = out.shape[:2]
+    partial = torch.empty(num_tokens, num_heads, splits, head_block, dtype=torch.float32,
+                          device=out.device)
+    stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=out.device)
+    return partial, stats
+
+
+def merge_splits(out: torch.Tensor, partial: torch.Tensor, stats: torch.Tensor) -> None:
+    """`out` `[T, H, D]` from the splits' partial softmaxes (flash-decoding's reduction)."""
+    num_tokens, num_heads, head_size = out.shape
+    splits, head_block = partial.shape[2:]
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        out, partial, stats, *out.stride()[:2], NUM_HEADS=num_heads, HEAD_SIZE=head_size,
+        HEAD_BLOCK=head_block, NUM_SPLITS=splits,
+    )

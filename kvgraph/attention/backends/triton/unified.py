@@ -6,36 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kvgraph.attention.backends.triton.paged import keys_per_tile, rows_contiguous, store_head_row
+from kvgraph.attention.backends.triton.paged import (
+    block_q,
+    keys_per_tile,
+    merge_splits,
+    num_kv_splits,
+    query_block,
+    rows_contiguous,
+    split_buffers,
+)
 from kvgraph.attention.metadata import AttentionMetadata
-
-
-@triton.jit
-def _query_block(block, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr,
-                 REQS: tl.constexpr):
-    """The query tokens program `block` covers: (request, first token, end token). Each
-    request's tokens are cut into blocks of BLOCK_Q; blocks past every request's cover the
-    padding tokens after the last request (request -1).
-
-    Scalar arithmetic, not tl.where: Triton 3.6's interpreter cannot loop to a tl.where."""
-    reqs = tl.arange(0, REQS)
-    starts = tl.load(query_start_loc_ptr + reqs, mask=reqs < num_reqs, other=0)
-    ends = tl.load(query_start_loc_ptr + 1 + reqs, mask=reqs < num_reqs, other=0)
-    blocks = (ends - starts + BLOCK_Q - 1) // BLOCK_Q
-    first_blocks = tl.cumsum(blocks, axis=0) - blocks
-    total = tl.sum(blocks, axis=0)
-    in_request = (block < total).to(tl.int32)
-    # Requests whose blocks all come before `block` (empty ones included) precede its own.
-    request = tl.minimum(tl.sum((first_blocks + blocks <= block).to(tl.int32), axis=0),
-                         num_reqs - 1)
-    first_block = tl.sum((reqs == request).to(tl.int32) * first_blocks, axis=0)
-    query_start = tl.load(query_start_loc_ptr + request)
-    query_end = tl.load(query_start_loc_ptr + request + 1)
-    padding_start = tl.load(query_start_loc_ptr + num_reqs)
-    first = (in_request * (query_start + (block - first_block) * BLOCK_Q)
-             + (1 - in_request) * (padding_start + (block - total) * BLOCK_Q))
-    end = in_request * tl.minimum(first + BLOCK_Q, query_end) + (1 - in_request) * (first + BLOCK_Q)
-    return in_request * (request + 1) - 1, first, end
 
 
 @triton.jit
@@ -57,7 +37,7 @@ def _unified_attention_kernel(
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    request, first, end = _query_block(tl.program_id(0), query_start_loc_ptr, num_reqs,
+    request, first, end = query_block(tl.program_id(0), query_start_loc_ptr, num_reqs,
                                        BLOCK_Q, REQS)
     end = tl.minimum(end, num_tokens)
     rows = tl.arange(0, ROWS)
@@ -123,42 +103,6 @@ def _unified_attention_kernel(
         tl.store(partial_stats_ptr + parts * 2 + 1, row_sum, mask=row_valid)
 
 
-@triton.jit
-def _merge_splits_kernel(out_ptr, partial_ptr, partial_stats_ptr, out_token_stride,
-                         out_head_stride, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
-                         HEAD_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    """One program per (token, head): the softmax over all keys from its splits' parts."""
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    parts = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    maxima = tl.load(partial_stats_ptr + parts * 2)
-    sums = tl.load(partial_stats_ptr + parts * 2 + 1)
-    top = tl.max(maxima, axis=0)
-    top = tl.where(top == float("-inf"), 0.0, top)  # no key in any split: all weights 0
-    weights = tl.exp(maxima - top)
-    dims = tl.arange(0, HEAD_BLOCK)
-    accs = tl.load(partial_ptr + parts[:, None] * HEAD_BLOCK + dims[None, :])
-    total = tl.sum(weights * sums, axis=0)
-    result = tl.sum(weights[:, None] * accs, axis=0) / tl.maximum(total, 1e-30)
-    store_head_row(out_ptr, result, token, head, out_token_stride, out_head_stride, HEAD_SIZE,
-                   HEAD_BLOCK)
-
-
-def block_q(max_query_len: int, group: int) -> int:
-    """Query tokens per program: one for decode; for longer queries, enough that a program's
-    rows (tokens x the query heads of one KV head) fill a 64-row tile."""
-    return 1 if max_query_len == 1 else max(1, 64 // triton.next_power_of_2(group))
-
-
-def num_kv_splits(programs: int, device: torch.device) -> int:
-    """How many key ranges each program's keys are split into: on a GPU enough that a small
-    batch (long-context decode) still fills it, else one; on the interpreter one (splits buy
-    parallelism it does not have). Shapes only, so a captured graph keeps its choice."""
-    if device.type != "cuda" or programs >= 256:
-        return 1
-    return min(16, triton.next_power_of_2(256 // programs))
-
-
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       out: torch.Tensor, metadata: AttentionMetadata, scale: float,
                       sliding_window: int | None, num_splits: int | None = None) -> None:
@@ -180,12 +124,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     splits = num_splits or num_kv_splits(
         triton.cdiv(num_tokens, tokens_per_program) * num_kv_heads, query.device)
     head_block = max(16, triton.next_power_of_2(head_size))  # tensor-core dots need 16
-    partial = partial_stats = out  # unused with one split
-    if splits > 1:
-        partial = torch.empty(num_tokens, num_heads, splits, head_block, dtype=torch.float32,
-                              device=query.device)
-        partial_stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32,
-                                    device=query.device)
+    partial, partial_stats = split_buffers(out, splits, head_block)
     query = rows_contiguous(query)
     _unified_attention_kernel[(programs, num_kv_heads, splits)](
         out, query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
@@ -199,7 +138,4 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
     )
     if splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            out, partial, partial_stats, *out.stride()[:2], NUM_HEADS=num_heads,
-            HEAD_SIZE=head_size, HEAD_BLOCK=head_block, NUM_SPLITS=splits,
-        )
+        merge_splits(out, partial, partial_stats)

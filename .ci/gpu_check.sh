@@ -32,7 +32,7 @@ import torch, triton; print(\"torch\", torch.__version__, \"cuda\", torch.versio
 print(torch.cuda.get_device_name())"; python -c "import transformers; print(\"transformers\", transformers.__version__)" || true'
 stage install 90 pip install --no-deps --no-build-isolation -e .
 stage pytest-cuda 180 python -m pytest -m cuda -q -p no:cacheprovider --timeout 120 \
-  --junitxml "$OUT/pytest-cuda.xml"
+  --continue-on-collection-errors --junitxml "$OUT/pytest-cuda.xml"
 stage triton-kernels 120 python -m pytest tests/test_triton_backend.py -q -p no:cacheprovider \
   --timeout 60 --junitxml "$OUT/triton-kernels.xml"
 stage attention-kernels 150 python -m examples.benchmarks.attention_kernels --device cuda \

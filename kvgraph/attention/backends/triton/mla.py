@@ -147,7 +147,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.
         *q_latent.stride()[:2], *q_pe.stride()[:2], *out.stride()[:2], partial, partial_stats,
         NUM_HEADS=num_heads, HEADS=heads, LATENT=latent, LATENT_BLOCK=latent_block, ROPE=rope,
         ROPE_BLOCK=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=block_size,
-        KEYS=keys_per_tile(block_size), REQS=triton.next_power_of_2(num_reqs),
+        KEYS=keys_per_tile(latent_block), REQS=triton.next_power_of_2(num_reqs),
         NUM_SPLITS=splits, BLOCK_Q=tokens_per_program,
         ROWS=max(16, triton.next_power_of_2(tokens_per_program * heads)),
         PRECISION="ieee" if kv_c_cache.dtype == torch.float32 else "tf32",

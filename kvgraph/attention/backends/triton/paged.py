@@ -105,8 +105,11 @@ def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def keys_per_tile(block_size: int) -> int:
-    return max(16, min(64, triton.next_power_of_2(block_size)))
+def keys_per_tile(row_block: int) -> int:
+    """Cached rows per tile: 64, fewer for wide rows so that a tile of keys and one of values
+    (`KEYS x row_block` fp32 each) stay in registers. Keys are found one by one in the block
+    table, so the tile does not depend on the block size."""
+    return max(16, min(64, 8192 // row_block))
 
 
 @triton.jit

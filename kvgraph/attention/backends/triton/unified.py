@@ -131,7 +131,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         metadata.query_start_loc, scale, num_tokens, num_reqs, metadata.block_table.stride(0),
         sliding_window or 2**30, *query.stride()[:2], *out.stride()[:2], partial, partial_stats,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
-        HEAD_BLOCK=head_block, BLOCK_SIZE=block_size, KEYS=keys_per_tile(block_size),
+        HEAD_BLOCK=head_block, BLOCK_SIZE=block_size, KEYS=keys_per_tile(head_block),
         REQS=triton.next_power_of_2(num_reqs), NUM_SPLITS=splits, BLOCK_Q=tokens_per_program,
         ROWS=max(16, triton.next_power_of_2(tokens_per_program * group)),
         # fp32 dots: exact for an fp32 cache; TF32 holds a bf16 or fp16 cache's values exactly.

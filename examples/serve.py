@@ -78,7 +78,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             metrics.requests.labels(endpoint, "200").inc()
             return StreamingResponse(_events(outputs, fmt, metrics),
                                      media_type="text/event-stream")
-        return await _collect(endpoint, outputs, fmt, parsed, metrics, answer)
+        return await _collect(endpoint, outputs, fmt, parsed, metrics, answer, http)
 
     @app.post(COMPLETIONS)
     async def completions(http: Request) -> Response:
@@ -113,15 +113,22 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
 
 async def _collect(endpoint: str, outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
-                   parsed: GenerationRequest, metrics: ServerMetrics, answer: Answer
-                   ) -> Response:
-    """A non-streaming answer: every output of the request, joined."""
+                   parsed: GenerationRequest, metrics: ServerMetrics, answer: Answer,
+                   http: Request) -> Response:
+    """A non-streaming answer: every output of the request, joined.
+
+    A client that disconnects is noticed at its request's next token: closing `outputs` then
+    aborts the request and frees its blocks, as for a stream.
+    """
     texts, last = [], None
     try:
         async for output in outputs:
             metrics.observe(output)
             texts.append(output.text)
             last = output
+            if not output.finish_reason and await http.is_disconnected():
+                await outputs.aclose()
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed"
     except RequestError as error:  # refused by the engine thread (checked there once more)
         return answer(endpoint, 400, error_body(str(error), error.param))
     except RuntimeError as error:  # the engine step failed

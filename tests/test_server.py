@@ -165,6 +165,27 @@ def test_bad_input_is_a_400_naming_the_field(eager_url, reference):
     assert again == reference[:4]
 
 
+def wait_for_free_blocks(url: str) -> dict:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health").json()
+        if health["kv_blocks_free"] == health["kv_blocks_total"] and health["running"] == 0:
+            break
+        time.sleep(0.05)
+    return health
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_frees_its_blocks(eager_url):
+    aborted = metric(eager_url, "kvgraph_requests_aborted_total")
+    body = {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{eager_url}/v1/completions", json=body, timeout=0.1)
+    health = wait_for_free_blocks(eager_url)
+    assert health["kv_blocks_free"] == health["kv_blocks_total"]
+    assert metric(eager_url, "kvgraph_requests_aborted_total") == aborted + 1
+
+
 def test_a_client_that_disconnects_frees_its_blocks(eager_url):
     aborted = metric(eager_url, "kvgraph_requests_aborted_total")
     body = {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 8, "temperature": 0,

@@ -194,12 +194,7 @@ def test_a_client_that_disconnects_frees_its_blocks(eager_url):
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{eager_url}/health").json()
-        if health["kv_blocks_free"] == health["kv_blocks_total"] and health["running"] == 0:
-            break
-        time.sleep(0.05)
+    health = wait_for_free_blocks(eager_url)
     assert health["kv_blocks_free"] == health["kv_blocks_total"]
     assert metric(eager_url, "kvgraph_requests_aborted_total") == aborted + 1
 

@@ -141,6 +141,40 @@ def query_block(block, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr,
 
 
 @triton.jit
+def softmax_tile(scores, visible, values, row_max, row_sum, acc, PRECISION: tl.constexpr):
+    """Fold one tile into each row's running softmax: `scores` `[ROWS, KEYS]`, counted where
+    `visible`, and `values` `[KEYS, D]`; returns the new (row max, row sum, weighted values)."""
+    scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet
+    correction = tl.exp(row_max - safe_max)
+    weights = tl.exp(scores - safe_max[:, None])
+    row_sum = row_sum * correction + tl.sum(weights, axis=1)
+    acc = acc * correction[:, None] + tl.dot(weights, values, input_precision=PRECISION)
+    return new_max, row_sum, acc
+
+
+@triton.jit
+def store_rows(out_ptr, partial_ptr, partial_stats_ptr, acc, row_max, row_sum, tokens, heads,
+               row_valid, out_token_stride, out_head_stride, split, NUM_HEADS: tl.constexpr,
+               NUM_SPLITS: tl.constexpr, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Each row's result: normalised into `out` (zeros for a row that saw no key, never NaN),
+    or with several splits its split's part for `merge_splits`."""
+    dims = tl.arange(0, BLOCK)
+    if NUM_SPLITS == 1:
+        result = acc / tl.maximum(row_sum, 1e-30)[:, None]
+        tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
+                 + dims[None, :], result.to(out_ptr.dtype.element_ty),
+                 mask=row_valid[:, None] & (dims < SIZE)[None, :])
+    else:
+        parts = (tokens * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(partial_ptr + parts[:, None] * BLOCK + dims[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(partial_stats_ptr + parts * 2, row_max, mask=row_valid)
+        tl.store(partial_stats_ptr + parts * 2 + 1, row_sum, mask=row_valid)
+
+
+@triton.jit
 def _merge_splits_kernel(out_ptr, partial_ptr, partial_stats_ptr, out_token_stride,
                          out_head_stride, NUM_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr,
                          HEAD_BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr):

@@ -13,7 +13,9 @@ from kvgraph.attention.backends.triton.paged import (
     num_kv_splits,
     query_block,
     rows_contiguous,
+    softmax_tile,
     split_buffers,
+    store_rows,
 )
 from kvgraph.attention.metadata import AttentionMetadata
 
@@ -82,25 +84,11 @@ def _unified_attention_kernel(
         distance = positions[:, None] - key_positions[None, :]
         visible = (row_valid[:, None] & in_range[None, :] & (distance >= 0)
                    & (distance < sliding_window))
-        scores = tl.where(visible, scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # no key seen yet
-        correction = tl.exp(row_max - safe_max)
-        weights = tl.exp(scores - safe_max[:, None])
-        row_sum = row_sum * correction + tl.sum(weights, axis=1)
-        acc = acc * correction[:, None] + tl.dot(weights, values, input_precision=PRECISION)
-        row_max = new_max
-    out_mask = row_valid[:, None] & dim_mask[None, :]
-    if NUM_SPLITS == 1:
-        result = acc / tl.maximum(row_sum, 1e-30)[:, None]  # no visible key: zeros, never NaN
-        tl.store(out_ptr + tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride
-                 + dims[None, :], result.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        parts = (tokens * NUM_HEADS + heads) * NUM_SPLITS + split
-        tl.store(partial_ptr + parts[:, None] * HEAD_BLOCK + dims[None, :], acc,
-                 mask=row_valid[:, None])
-        tl.store(partial_stats_ptr + parts * 2, row_max, mask=row_valid)
-        tl.store(partial_stats_ptr + parts * 2 + 1, row_sum, mask=row_valid)
+        row_max, row_sum, acc = softmax_tile(scores, visible, values, row_max, row_sum, acc,
+                                             PRECISION)
+    store_rows(out_ptr, partial_ptr, partial_stats_ptr, acc, row_max, row_sum, tokens, heads,
+               row_valid, out_token_stride, out_head_stride, split, NUM_HEADS, NUM_SPLITS,
+               HEAD_SIZE, HEAD_BLOCK)
 
 
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -98,3 +98,19 @@ def test_cuda_attention_defaults_to_triton_and_the_cpu_to_torch_native():
 
     assert cuda_platform().attention_backend == "triton"
     assert get_platform("cpu").attention_backend == "torch_native"
+
+
+def test_a_device_capture_phase_keeps_the_allocator_cache_and_restores_it_after():
+    # torch.cuda.graph empties the allocator's cache on entry; over many captures that frees and
+    # re-allocates the warm-up runs' memory each time. Entering the phase touches no device.
+    from kvgraph.runtime.platforms.cuda import cuda_platform
+
+    original = torch.cuda.empty_cache
+    with cuda_platform().capture_phase():
+        assert torch.cuda.empty_cache is not original
+        torch.cuda.empty_cache()  # a no-op here, even without a GPU
+    assert torch.cuda.empty_cache is original
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with cuda_platform().capture_phase():
+            raise RuntimeError("capture failed")
+    assert torch.cuda.empty_cache is original

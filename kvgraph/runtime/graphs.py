@@ -76,7 +76,7 @@ class GraphSet:
         """The only place graphs are captured (see the module docstring)."""
         self.capturing = True
         try:
-            with gc_paused():
+            with gc_paused(), self.platform.capture_phase():
                 yield
         finally:
             self.capturing = False

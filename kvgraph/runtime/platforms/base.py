@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 
@@ -101,10 +102,17 @@ class Platform(Protocol):
 
     def make_graph(self, check_inputs: bool) -> DeviceGraph: ...
 
+    def capture_phase(self) -> ContextManager[None]:
+        """Entered around a runner's whole capture phase (many captures in a row)."""
+
     def new_graph_pool(self) -> Any:
         """A fresh memory pool for one runner's graphs (None where graphs need none)."""
 
     def synchronize(self) -> None: ...
+
+
+def _keep_cache() -> None:
+    """`empty_cache` during a capture phase: the cache stays (see StreamPlatform)."""
 
 
 class StreamPlatform:
@@ -126,6 +134,21 @@ class StreamPlatform:
     def make_graph(self, check_inputs: bool) -> StreamGraph:
         return StreamGraph(self.graph_class(), self.module.graph, self.pool_bytes, check_inputs,
                            f"{self.name}-graph")
+
+    @contextlib.contextmanager
+    def capture_phase(self) -> Iterator[None]:
+        """Captures without emptying the allocator's cache before each one.
+
+        The device module's `graph` context empties it on entry, to give the graph the most
+        memory; over hundreds of captures in a row that frees and re-allocates the warm-up
+        runs' memory every time, which is most of the capture time (vLLM skips it too).
+        """
+        empty_cache = self.module.empty_cache
+        self.module.empty_cache = _keep_cache
+        try:
+            yield
+        finally:
+            self.module.empty_cache = empty_cache
 
     def new_graph_pool(self) -> Any:
         # Per runner, never per process: a pool handle reused after the graphs captured in it

@@ -11,6 +11,7 @@ across steps, therefore breaks here as it would on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
@@ -75,6 +76,9 @@ class CPUPlatform:
 
     def make_graph(self, check_inputs: bool) -> CPUGraph:
         return CPUGraph(check_inputs)
+
+    def capture_phase(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def new_graph_pool(self) -> None:
         return None

@@ -223,3 +223,15 @@ def test_a_dtype_that_is_not_a_torch_dtype_is_a_clear_error():
     _, caches = alloc(model)
     with pytest.raises(KVCacheError, match="dtype: expected a torch.dtype.*'float32'"):
         kvgraph.bind_kv_cache(layers_of(model), caches, dtype="float32")
+
+
+def test_a_failed_rebind_leaves_the_previous_binding():
+    model = model_of_layers(["decoder", "mla"])
+    _, first = alloc(model)
+    kvgraph.bind_kv_cache(layers_of(model), first)
+    _, second = alloc(model)
+    second["model.layers.1.attn"] = second["model.layers.1.attn"][:1]  # one tensor short
+    with pytest.raises(KVCacheError, match="expected 2 cache tensors"):
+        kvgraph.bind_kv_cache(layers_of(model), second)
+    for name, layer in kvgraph.attention_layers(model).items():
+        assert all(a is b for a, b in zip(layer.kv_cache, first[name], strict=True)), name

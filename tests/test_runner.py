@@ -210,3 +210,35 @@ def test_models_of_one_class_with_different_float_attributes_keep_their_graphs_v
         logits, _ = generate(runner, model.config.vocab_size)  # GraphError if an input moved
         results.append(logits)
     assert not torch.equal(results[0][0], results[2][0]), "eps must reach the computation"
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_two_runners_in_two_threads_compute_what_they_compute_one_after_the_other(mode):
+    """Each step's context (metadata, descriptor, graphs) is per thread, so two runners stepping
+    at once never see each other's batch."""
+    import threading
+
+    def runner_for(kind):
+        runner = make_runner(kind, mode)
+        runner.capture()
+        return runner
+
+    kinds = ("llama", "deepseek_mla")
+    def logits_of(runner):
+        return generate(runner, runner.model.config.vocab_size)[0]
+
+    sequential = [logits_of(runner_for(kind)) for kind in kinds]
+    runners = [runner_for(kind) for kind in kinds]
+    results: dict[int, list] = {}
+
+    def run(index):
+        results[index] = logits_of(runners[index])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, expected in enumerate(sequential):
+        for got, want in zip(results[index], expected):
+            assert torch.equal(got, want), kinds[index]

@@ -110,6 +110,25 @@ def test_split_kv_matches_dense_reference(kind, window):
     check_caches(batch)
 
 
+@pytest.mark.parametrize("floats, used", [(100_000, True), (10, False)])
+def test_split_kv_works_in_the_runner_s_workspace_or_allocates(floats, used):
+    """Partial results go to the metadata's workspace when it is large enough (nothing is
+    allocated per step, and graphs can hold it), else to buffers of their own."""
+    import dataclasses
+
+    from kvgraph.attention.backends.triton import unified_attention, write_rows
+
+    batch = random_attention_batch("mixed", 4, "gqa", dtype=torch.float32)
+    q, k, v = batch.inputs
+    write_rows(list(batch.caches), (k, v), batch.md.slot_mapping)
+    workspace = torch.full((floats,), float("nan"))
+    md = dataclasses.replace(batch.md, workspace=workspace)
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, *batch.caches, out, md, batch.scale, None, num_splits=4)
+    assert_close(out, batch.ref, torch.float32)
+    assert bool(torch.isfinite(workspace).any()) is used
+
+
 def test_split_kv_gives_padding_tokens_zeros():
     from kvgraph.attention.backends.triton import unified_attention
 

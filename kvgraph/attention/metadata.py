@@ -67,6 +67,9 @@ class AttentionMetadata:
     num_prefill_tokens: int
     max_query_len: int
     max_seq_len: int
+    # fp32 device scratch a backend may use instead of allocating (split-KV's partial results);
+    # the runner's never moves, so graphs may hold it. None: allocate.
+    workspace: torch.Tensor | None = None
 
     @property
     def uniform_decode(self) -> bool:

@@ -72,6 +72,8 @@ class StepPlan:
         return self.descriptor.num_tokens
 
 
+WORKSPACE_BYTES = 32 * 2**20
+
 # The persistent inputs, in the order they sit in the packed buffer: name, dtype, rows per
 # token (T), per request (R), per request + 1, or per request x blocks (the block table, last so
 # that a step copies only the rows it uses).
@@ -119,6 +121,11 @@ class InputBuffers:
                      for name, dtype, kind in _FIELDS}
         for name, dtype, kind in _FIELDS:  # the device tensors graphs read: self.input_ids, ...
             setattr(self, name, view(self.device_bytes, name, dtype, kind))
+        # Attention's scratch on a device (the CPU's kernels need none): 32 MiB hold split-KV's
+        # partial results for any batch of heads up to 128 wide; a backend needing more
+        # allocates, so this bounds speed, never correctness.
+        self.workspace = (torch.empty(WORKSPACE_BYTES // 4, dtype=torch.float32, device=device)
+                          if on_device else None)
         self._block_table_offset = offsets["block_table"]
         self._block_row_bytes = blocks * torch.int32.itemsize
 
@@ -145,6 +152,7 @@ class InputBuffers:
             num_prefill_tokens=n - batch.num_decode_tokens,
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
+            workspace=self.workspace,
         )
         return self.input_ids[:t], self.positions[:t], metadata
 

@@ -127,7 +127,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.
     head_blocks = triton.cdiv(num_heads, heads)
     splits = num_splits or num_kv_splits(query_blocks * head_blocks, q_latent.device)
     latent_block = max(16, triton.next_power_of_2(latent))  # tensor-core dots need 16
-    partial, partial_stats = split_buffers(out, splits, latent_block)
+    partial, partial_stats = split_buffers(out, splits, latent_block, metadata.workspace)
     q_latent, q_pe = rows_contiguous(q_latent), rows_contiguous(q_pe)
     _mla_attention_kernel[(query_blocks + num_reqs + 1, head_blocks, splits)](
         out, q_latent, q_pe, kv_c_cache, k_pe_cache, metadata.block_table, metadata.seq_lens,

@@ -210,17 +210,23 @@ def num_kv_splits(programs: int, device: torch.device) -> int:
     return min(16, triton.next_power_of_2(256 // programs))
 
 
-def split_buffers(out: torch.Tensor, splits: int, head_block: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def split_buffers(out: torch.Tensor, splits: int, head_block: int,
+                  workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each (token, head, split)'s partial output and (row max, row sum) for `merge_splits`;
-    with one split nothing (the kernels then write `out` directly)."""
+    with one split nothing (the kernels then write `out` directly).
+
+    They are views of `workspace` (the runner's fp32 scratch, which never moves, so graphs may
+    hold it) when it is large enough; otherwise they are allocated.
+    """
     if splits == 1:
         return out, out
-    num_tokens, num_heads = out.shape[:2]
-    partial = torch.empty(num_tokens, num_heads, splits, head_block, dtype=torch.float32,
-                          device=out.device)
-    stats = torch.empty(num_tokens, num_heads, splits, 2, dtype=torch.float32, device=out.device)
-    return partial, stats
+    rows = out.shape[0] * out.shape[1] * splits
+    shape = (out.shape[0], out.shape[1], splits)
+    if workspace is not None and workspace.numel() >= rows * (head_block + 2):
+        partial = workspace[:rows * head_block].view(*shape, head_block)
+        return partial, workspace[rows * head_block:rows * (head_block + 2)].view(*shape, 2)
+    return (torch.empty(*shape, head_block, dtype=torch.float32, device=out.device),
+            torch.empty(*shape, 2, dtype=torch.float32, device=out.device))
 
 
 def merge_splits(out: torch.Tensor, partial: torch.Tensor, stats: torch.Tensor) -> None:

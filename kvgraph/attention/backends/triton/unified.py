@@ -112,7 +112,7 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     splits = num_splits or num_kv_splits(
         triton.cdiv(num_tokens, tokens_per_program) * num_kv_heads, query.device)
     head_block = max(16, triton.next_power_of_2(head_size))  # tensor-core dots need 16
-    partial, partial_stats = split_buffers(out, splits, head_block)
+    partial, partial_stats = split_buffers(out, splits, head_block, metadata.workspace)
     query = rows_contiguous(query)
     _unified_attention_kernel[(programs, num_kv_heads, splits)](
         out, query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,

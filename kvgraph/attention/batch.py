@@ -28,6 +28,7 @@ class HostBatch:
     query_start_loc: np.ndarray  # [R + 1] int32
     seq_lens: np.ndarray  # [R] int32
     block_table: np.ndarray  # [R, blocks of the longest sequence] int32, unused entries 0
+    used_blocks: np.ndarray  # every block the sequences use, request after request
     block_size: int
     num_decode_tokens: int
     max_query_len: int
@@ -173,6 +174,7 @@ def _lay_out(token_ids: np.ndarray, query_lens: np.ndarray, computed: np.ndarray
         query_start_loc=query_start_loc,
         seq_lens=seq_lens.astype(np.int32),
         block_table=block_table,
+        used_blocks=used_blocks,
         block_size=block_size,
         num_decode_tokens=int((query_lens == 1).sum()),
         max_query_len=int(query_lens.max()),
@@ -186,13 +188,13 @@ def check_distinct_blocks(batch: HostBatch) -> None:
     Not part of `host_batch`: dummy batches (graph capture, encoder-only models) may share a
     block they never write.
     """
-    in_use = np.arange(batch.block_table.shape[1]) < -(-batch.seq_lens[:, None] // batch.block_size)
-    used = batch.block_table[in_use]
-    ordered = np.sort(used)
+    ordered = np.sort(batch.used_blocks)
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     if len(repeated):
         block = int(repeated[0])
-        owners = np.nonzero(batch.block_table == block)[0][in_use[batch.block_table == block]]
+        blocks_per_request = -(-batch.seq_lens.astype(np.int64) // batch.block_size)
+        owners = np.repeat(np.arange(batch.num_reqs), blocks_per_request)[
+            batch.used_blocks == block]
         raise BatchError(
             f"block_ids: block {block} is used more than once, by chunks {owners.tolist()}; a "
             f"block holds one sequence's tokens, so the blocks of a batch must be distinct"

@@ -12,10 +12,12 @@ import triton.language as tl
 
 from kvgraph.attention.backends.triton.paged import (
     block_q,
+    key_slots,
     keys_per_tile,
+    load_rows,
     merge_splits,
     num_kv_splits,
-    query_block,
+    program_rows,
     rows_contiguous,
     softmax_tile,
     split_buffers,
@@ -26,16 +28,6 @@ from kvgraph.attention.metadata import AttentionMetadata
 # Rows (tokens x heads) per program: the fp32 accumulator is rows x the latent size (512 in
 # DeepSeek), so more rows would not fit in registers.
 MLA_ROWS = 16
-
-
-@triton.jit
-def _load_rows(ptr, tokens, heads, token_stride, head_stride, valid, SIZE: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """Rows (tokens[i], heads[i]) of a `[T, H, SIZE]` tensor as fp32 `[rows, BLOCK]`."""
-    dims = tl.arange(0, BLOCK)
-    return tl.load(ptr + tokens[:, None] * token_stride + heads[:, None] * head_stride
-                   + dims[None, :], mask=valid[:, None] & (dims < SIZE)[None, :],
-                   other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -55,29 +47,12 @@ def _mla_attention_kernel(
     latent space), as tensor-core dots over tiles of KEYS cached rows. With several splits
     each writes its part for the merge; programs past every request write zeros."""
     split = tl.program_id(2)
-    request, first, end = query_block(tl.program_id(0), query_start_loc_ptr, num_reqs, BLOCK_Q,
-                                      REQS)
-    end = tl.minimum(end, num_tokens)
-    rows = tl.arange(0, ROWS)
-    tokens = first + rows // HEADS
-    heads = tl.program_id(1) * HEADS + rows % HEADS
-    row_valid = (rows < BLOCK_Q * HEADS) & (tokens < end) & (heads < NUM_HEADS)
-
-    real = (request >= 0).to(tl.int32)
-    request = tl.maximum(request, 0)
-    seq_len = tl.load(seq_lens_ptr + request)
-    query_start = tl.load(query_start_loc_ptr + request)
-    query_len = tl.load(query_start_loc_ptr + request + 1) - query_start
-    positions = seq_len - query_len + (tokens - query_start)
-    # Scalar arithmetic, not tl.where: Triton 3.6's interpreter cannot loop to a tl.where.
-    last_key = real * (seq_len - query_len + (end - 1 - query_start) + 1) - 1
-    split_len = (tl.maximum(last_key + 1, 0) + NUM_SPLITS - 1) // NUM_SPLITS
-    first_key = split * split_len
-    last_key = tl.minimum(first_key + split_len - 1, last_key)
-
-    q_latent = _load_rows(q_latent_ptr, tokens, heads, q_token_stride, q_head_stride, row_valid,
+    request, tokens, heads, row_valid, positions, first_key, last_key = program_rows(
+        tl.program_id(0), tl.program_id(1), split, query_start_loc_ptr, seq_lens_ptr,
+        num_tokens, num_reqs, 2**30, NUM_HEADS, HEADS, NUM_SPLITS, BLOCK_Q, ROWS, REQS)
+    q_latent = load_rows(q_latent_ptr, tokens, heads, q_token_stride, q_head_stride, row_valid,
                           LATENT, LATENT_BLOCK)
-    q_pe = _load_rows(q_pe_ptr, tokens, heads, pe_token_stride, pe_head_stride, row_valid, ROPE,
+    q_pe = load_rows(q_pe_ptr, tokens, heads, pe_token_stride, pe_head_stride, row_valid, ROPE,
                       ROPE_BLOCK)
     latent = tl.arange(0, LATENT_BLOCK)
     rope = tl.arange(0, ROPE_BLOCK)
@@ -88,9 +63,8 @@ def _mla_attention_kernel(
     for start in range(first_key, last_key + 1, KEYS):
         key_positions = start + offsets
         in_range = key_positions <= last_key
-        blocks = tl.load(block_table_ptr + request * block_table_stride
-                         + key_positions // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        slots = blocks * BLOCK_SIZE + key_positions % BLOCK_SIZE
+        slots = key_slots(block_table_ptr, request, block_table_stride, key_positions, in_range,
+                          BLOCK_SIZE)
         kv_c = tl.load(kv_c_cache_ptr + slots[:, None] * LATENT + latent[None, :],
                        mask=in_range[:, None] & (latent < LATENT)[None, :],
                        other=0.0).to(tl.float32)

@@ -141,6 +141,57 @@ def query_block(block, query_start_loc_ptr, num_reqs, BLOCK_Q: tl.constexpr,
 
 
 @triton.jit
+def program_rows(block, head_block, split, query_start_loc_ptr, seq_lens_ptr, num_tokens,
+                 num_reqs, sliding_window, NUM_HEADS: tl.constexpr, HEADS: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, ROWS: tl.constexpr,
+                 REQS: tl.constexpr):
+    """The rows of a program over query block `block`, heads `head_block * HEADS ..` and key
+    split `split`: (request, each row's token and head, which rows are real, each row's
+    position in its sequence, and the inclusive range of keys this split reads).
+
+    Rows are tokens x HEADS. Keys are those any row sees (causal, within `sliding_window`),
+    cut into NUM_SPLITS ranges; padding reads none. Scalar arithmetic, not tl.where: Triton
+    3.6's interpreter cannot loop to a tl.where."""
+    request, first, end = query_block(block, query_start_loc_ptr, num_reqs, BLOCK_Q, REQS)
+    end = tl.minimum(end, num_tokens)
+    rows = tl.arange(0, ROWS)
+    tokens = first + rows // HEADS
+    heads = head_block * HEADS + rows % HEADS
+    row_valid = (rows < BLOCK_Q * HEADS) & (tokens < end) & (heads < NUM_HEADS)
+    real = (request >= 0).to(tl.int32)
+    request = tl.maximum(request, 0)
+    seq_len = tl.load(seq_lens_ptr + request)
+    query_start = tl.load(query_start_loc_ptr + request)
+    cached = seq_len - (tl.load(query_start_loc_ptr + request + 1) - query_start) - query_start
+    positions = cached + tokens  # each row's place in its sequence
+    first_key = tl.maximum(cached + first - sliding_window + 1, 0)
+    last_key = real * (cached + end) - 1
+    split_len = (tl.maximum(last_key - first_key + 1, 0) + NUM_SPLITS - 1) // NUM_SPLITS
+    first_key = first_key + split * split_len
+    last_key = tl.minimum(first_key + split_len - 1, last_key)
+    return request, tokens, heads, row_valid, positions, first_key, last_key
+
+
+@triton.jit
+def load_rows(ptr, tokens, heads, token_stride, head_stride, valid, SIZE: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """Rows (tokens[i], heads[i]) of a `[T, H, SIZE]` tensor as fp32 `[rows, BLOCK]`."""
+    dims = tl.arange(0, BLOCK)
+    return tl.load(ptr + tokens[:, None] * token_stride + heads[:, None] * head_stride
+                   + dims[None, :], mask=valid[:, None] & (dims < SIZE)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def key_slots(block_table_ptr, request, block_table_stride, key_positions, in_range,
+              BLOCK_SIZE: tl.constexpr):
+    """The cache slots of `request`'s keys at `key_positions` (0 where not `in_range`)."""
+    blocks = tl.load(block_table_ptr + request * block_table_stride
+                     + key_positions // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+    return blocks * BLOCK_SIZE + key_positions % BLOCK_SIZE
+
+
+@triton.jit
 def softmax_tile(scores, visible, values, row_max, row_sum, acc, PRECISION: tl.constexpr):
     """Fold one tile into each row's running softmax: `scores` `[ROWS, KEYS]`, counted where
     `visible`, and `values` `[KEYS, D]`; returns the new (row max, row sum, weighted values)."""

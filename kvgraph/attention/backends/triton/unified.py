@@ -8,10 +8,12 @@ import triton.language as tl
 
 from kvgraph.attention.backends.triton.paged import (
     block_q,
+    key_slots,
     keys_per_tile,
+    load_rows,
     merge_splits,
     num_kv_splits,
-    query_block,
+    program_rows,
     rows_contiguous,
     softmax_tile,
     split_buffers,
@@ -39,32 +41,13 @@ def _unified_attention_kernel(
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    request, first, end = query_block(tl.program_id(0), query_start_loc_ptr, num_reqs,
-                                       BLOCK_Q, REQS)
-    end = tl.minimum(end, num_tokens)
-    rows = tl.arange(0, ROWS)
-    tokens = first + rows // GROUP
-    heads = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (tokens < end)
+    request, tokens, heads, row_valid, positions, first_key, last_key = program_rows(
+        tl.program_id(0), kv_head, split, query_start_loc_ptr, seq_lens_ptr, num_tokens,
+        num_reqs, sliding_window, NUM_HEADS, GROUP, NUM_SPLITS, BLOCK_Q, ROWS, REQS)
     dims = tl.arange(0, HEAD_BLOCK)
     dim_mask = dims < HEAD_SIZE
-
-    real = (request >= 0).to(tl.int32)
-    request = tl.maximum(request, 0)
-    seq_len = tl.load(seq_lens_ptr + request)
-    query_len = tl.load(query_start_loc_ptr + request + 1) - tl.load(query_start_loc_ptr + request)
-    query_start = tl.load(query_start_loc_ptr + request)
-    positions = seq_len - query_len + (tokens - query_start)  # each row's place in its sequence
-    # The keys any row of the block sees, split into NUM_SPLITS ranges; none for padding.
-    first_key = tl.maximum(seq_len - query_len + (first - query_start) - sliding_window + 1, 0)
-    last_key = real * (seq_len - query_len + (end - 1 - query_start) + 1) - 1
-    split_len = (tl.maximum(last_key - first_key + 1, 0) + NUM_SPLITS - 1) // NUM_SPLITS
-    first_key = first_key + split * split_len
-    last_key = tl.minimum(first_key + split_len - 1, last_key)
-
-    query = tl.load(query_ptr + tokens[:, None] * q_token_stride + heads[:, None] * q_head_stride
-                    + dims[None, :], mask=row_valid[:, None] & dim_mask[None, :],
-                    other=0.0).to(tl.float32)
+    query = load_rows(query_ptr, tokens, heads, q_token_stride, q_head_stride, row_valid,
+                      HEAD_SIZE, HEAD_BLOCK)
     row_max = tl.full((ROWS,), float("-inf"), tl.float32)
     row_sum = tl.zeros((ROWS,), tl.float32)
     acc = tl.zeros((ROWS, HEAD_BLOCK), tl.float32)
@@ -72,9 +55,8 @@ def _unified_attention_kernel(
     for start in range(first_key, last_key + 1, KEYS):
         key_positions = start + offsets
         in_range = key_positions <= last_key
-        blocks = tl.load(block_table_ptr + request * block_table_stride
-                         + key_positions // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-        slots = (blocks * BLOCK_SIZE + key_positions % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+        slots = (key_slots(block_table_ptr, request, block_table_stride, key_positions,
+                           in_range, BLOCK_SIZE) * NUM_KV_HEADS + kv_head)
         kv_mask = in_range[:, None] & dim_mask[None, :]
         keys = tl.load(key_cache_ptr + slots[:, None] * HEAD_SIZE + dims[None, :], mask=kv_mask,
                        other=0.0).to(tl.float32)

@@ -6,24 +6,22 @@ from kvgraph.attention.batch import build_attention_metadata, build_model_inputs
 from kvgraph.attention.metadata import AttentionMetadata, RequestChunk
 from kvgraph.compilation.backend import kvgraph_backend
 from kvgraph.compilation.trace import compile_model, mark_token_dims
-from kvgraph.config import CompilationConfig, GraphMode, add_cli_args
+from kvgraph.config import CompilationConfig, GraphMode
+from kvgraph.config_flags import add_cli_args
 from kvgraph.errors import (
     BatchError,
+    CompileError,
     ConfigError,
     ForwardContextError,
     GraphError,
     KVCacheError,
     PlatformError,
+    RunnerError,
 )
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
-from kvgraph.kv_cache.spec import (
-    AttentionSpec,
-    MLASpec,
-    allocate_kv_caches,
-    attention_layers,
-    kv_cache_specs,
-)
+from kvgraph.attention.layer_base import attention_layers, kv_cache_specs
+from kvgraph.kv_cache.spec import AttentionSpec, MLASpec, allocate_kv_caches
 from kvgraph.runtime.runner import ModelRunner
 from kvgraph.version import __version__
 
@@ -56,11 +54,13 @@ __all__ = [
     "ModelRunner",
     # errors
     "BatchError",
+    "CompileError",
     "ConfigError",
     "ForwardContextError",
     "GraphError",
     "KVCacheError",
     "PlatformError",
+    "RunnerError",
 ]
 
 

@@ -1,8 +1,8 @@
 """How kvgraph compiles and runs a model: graph modes and one frozen, validated config.
 
 The same settings come from `torch.compile(options=...)`, `KVGRAPH_*` environment variables
-and command-line flags; their strings are parsed in kvgraph/config_sources.py, and every value,
-whatever its source, is checked here, in the constructor.
+and the flags of kvgraph/config_flags.py; their strings are parsed in kvgraph/config_sources.py,
+and every value, whatever its source, is checked here, in the constructor.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ PIECE_COMPILERS = ("inductor", "eager")
 # What happens to a piece inductor fails to build: run it uncompiled (with a warning), or raise.
 ON_COMPILE_ERROR = ("eager", "raise")
 PASSES = tuple(REGISTERED_PASSES)
+DEFAULT_MAX_NUM_TOKENS = 512  # the batch bound where max_num_tokens is unset and no runner sets it
 MAX_DEFAULT_CAPTURE_SIZE = 512  # the largest default capture size (see capture_size_list)
 # torch.compile's modes kvgraph accepts; "reduce-overhead" (graphs on) is refused: kvgraph's
 # graphs are chosen by graph_mode, and inductor must never add graphs of its own.
@@ -55,6 +56,26 @@ class GraphMode(enum.Enum):
         """Whether some steps run as graphs of the pieces between attention ops."""
         return self in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
 
+    @property
+    def has_graphs(self) -> bool:
+        """Whether some steps run as captured graphs (full or piecewise): not eager, not none."""
+        return self.has_full_graphs or self.has_piecewise_graphs
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the forward is compiled at all: every mode but eager."""
+        return self is not GraphMode.EAGER
+
+    @property
+    def only_full_graphs(self) -> bool:
+        """Whether the whole forward is built as one piece, attention included (never split)."""
+        return self in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
+
+    @property
+    def is_runtime_mode(self) -> bool:
+        """Whether one step can run as this mode: none, piecewise or full (not eager, not a mix)."""
+        return self in (GraphMode.NONE, GraphMode.PIECEWISE, GraphMode.FULL)
+
     @classmethod
     def parse(cls, value: GraphMode | str) -> GraphMode:
         if isinstance(value, cls):
@@ -79,15 +100,17 @@ def default_cache_dir() -> str:
 class CompilationConfig:
     """Every setting of compilation and graph capture, checked (types and values) on construction.
 
-    `capture_sizes` None means the default list for `max_num_tokens` (see `capture_size_list`);
-    an empty one is allowed only where no graphs are captured (graph_mode "eager" or "none").
+    `max_num_tokens` None means not set: the ModelRunner's, or DEFAULT_MAX_NUM_TOKENS where
+    torch.compile uses the backend alone; sizes are checked against it only where it is set.
+    `capture_sizes` None means the default list (see `capture_size_list`); an empty one is
+    allowed only where no graphs are captured (graph_mode "eager" or "none").
     `compile_sizes` get a static build each; other sizes run the general (dynamic) build.
     `on_compile_error`: what a piece that inductor fails to build does ("eager": runs uncompiled,
     with a warning; "raise": the error propagates).
     """
 
     graph_mode: GraphMode = GraphMode.PIECEWISE
-    max_num_tokens: int = 512
+    max_num_tokens: int | None = None
     capture_sizes: tuple[int, ...] | None = None
     compile_sizes: tuple[int, ...] = ()
     piece_compiler: str = "inductor"
@@ -104,18 +127,19 @@ class CompilationConfig:
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
             object.__setattr__(self, name, check(name, getattr(self, name)))
+        upper = self.max_num_tokens  # None: sizes are only checked to be >= 1
         for name in ("capture_sizes", "compile_sizes"):
-            bad = [s for s in getattr(self, name) or () if not 1 <= s <= self.max_num_tokens]
+            bad = [s for s in getattr(self, name) or () if not 1 <= s <= (upper or s)]
             if bad:
-                raise ConfigError(name, f"{name} must lie in [1, max_num_tokens="
-                                  f"{self.max_num_tokens}], got {bad}")
+                bound = "be >= 1" if upper is None else f"lie in [1, max_num_tokens={upper}]"
+                raise ConfigError(name, f"{name} must {bound}, got {bad}")
         if not self.splitting_ops and self.graph_mode.has_piecewise_graphs:
             # Nothing to split at: the one piece is the whole forward, attention inside, which
             # is a full graph per descriptor (vLLM does the same).
             logger.warning("kvgraph: splitting_ops is empty, so graph_mode %r captures the whole "
                            "forward per descriptor: it runs as 'full'", self.graph_mode.value)
             object.__setattr__(self, "graph_mode", GraphMode.FULL)
-        if self.capture_sizes == () and self.graph_mode not in (GraphMode.EAGER, GraphMode.NONE):
+        if self.capture_sizes == () and self.graph_mode.has_graphs:
             raise ConfigError("capture_sizes", f"capture_sizes is empty, so graph_mode "
                               f"{self.graph_mode.value!r} would capture no graph: for no graphs "
                               "use graph_mode='none' (compiled) or 'eager'; for the default "
@@ -126,25 +150,22 @@ class CompilationConfig:
     @property
     def capture_size_list(self) -> tuple[int, ...]:
         """The capture sizes in force: the user's, or 1, 2, 4, 8, then steps of 8 up to
-        `max_num_tokens` or 512, whichever is smaller.
+        `max_num_tokens` (DEFAULT_MAX_NUM_TOKENS where unset) or 512, whichever is smaller.
 
         Above 512 tokens a step's kernels dwarf their launches, so graphs would buy nothing
         for the capture time and memory they cost; larger batches run without graphs.
         """
         if self.capture_sizes is not None:
             return self.capture_sizes
-        largest = min(self.max_num_tokens, MAX_DEFAULT_CAPTURE_SIZE)
-        sizes = [s for s in (1, 2, 4) if s < largest]
-        sizes += range(8, largest + 1, 8)
-        if sizes[-1:] != [largest]:
-            sizes.append(largest)
-        return tuple(sorted(set(sizes)))
+        largest = min(self.max_num_tokens or DEFAULT_MAX_NUM_TOKENS, MAX_DEFAULT_CAPTURE_SIZE)
+        sizes = {1, 2, 4, *range(8, largest + 1, 8), largest}
+        return tuple(sorted(s for s in sizes if s <= largest))
 
     @property
     def uses_compile_cache(self) -> bool:
         """Whether compiling reads and writes `cache_dir` (only inductor's builds are kept)."""
         return (self.use_compile_cache and self.piece_compiler == "inductor"
-                and self.graph_mode is not GraphMode.EAGER)
+                and self.graph_mode.compiles)
 
     @property
     def inductor_options(self) -> dict[str, Any]:
@@ -152,10 +173,8 @@ class CompilationConfig:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, **overrides: Any) -> CompilationConfig:
-        """A config from `torch.compile(options=...)`-style keys (field names), strings allowed.
-
-        `cache_dir` None or blank means the default cache dir.
-        """
+        """A config from `torch.compile(options=...)`-style keys (field names), strings allowed;
+        `cache_dir` None or blank means the default cache dir."""
         return build(cls, {k: (v, None) for k, v in {**(options or {}), **overrides}.items()})
 
     @classmethod
@@ -168,10 +187,9 @@ class CompilationConfig:
     def from_cli_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None
                       ) -> CompilationConfig:
         """A config from `add_cli_args` flags; flags not given fall back to the environment."""
-        flags = {field: (getattr(args, dest), "--" + dest.replace("_", "-"))
-                 for field, dest in _CLI_FIELDS.items() if getattr(args, dest, None) is not None}
+        from kvgraph.config_flags import flag_settings  # config_flags is built on this module
         given = env_settings(_FIELD_NAMES, os.environ if environ is None else environ)
-        return build(cls, {**given, **flags})
+        return build(cls, {**given, **flag_settings(args)})
 
     def replace(self, **changes: Any) -> CompilationConfig:
         return dataclasses.replace(self, **changes)
@@ -179,7 +197,6 @@ class CompilationConfig:
 
 # --- checks of one field each: the value as stored, or a ConfigError naming the field ---------
 
-COLLECTIONS = (list, tuple, set, frozenset, range)
 STRINGS_HINT = ("; strings are parsed only by CompilationConfig.from_options, from_env and "
                 "from_cli_args (e.g. '1,2,4')")
 
@@ -205,7 +222,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def _sizes(name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, COLLECTIONS):
+    if not isinstance(value, (list, tuple, set, frozenset, range)):
         hint = STRINGS_HINT if isinstance(value, str) else ""
         raise ConfigError(name, f"{name}: expected a tuple or list of ints, {_got(value)}{hint}")
     bad = [s for s in value if not _is_int(s)]
@@ -264,7 +281,7 @@ def _path(name: str, value: Any) -> str:
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "graph_mode": lambda name, value: GraphMode.parse(value),
-    "max_num_tokens": _positive_int,
+    "max_num_tokens": _optional(_positive_int),
     "capture_sizes": _optional(_sizes),
     "compile_sizes": _sizes,
     "piece_compiler": _choice(PIECE_COMPILERS),
@@ -280,44 +297,3 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
 }
 _FIELD_NAMES = list(_CHECKS)
 
-
-# --- command-line flags ------------------------------------------------------------------------
-
-# CLI flag dest -> config field; every flag defaults to None so the environment can fill in.
-_CLI_FIELDS = {
-    "graph_mode": "graph_mode",
-    "max_num_tokens": "max_num_tokens",
-    "capture_sizes": "capture_sizes",
-    "compile_sizes": "compile_sizes",
-    "piece_compiler": "piece_compiler",
-    "cache_dir": "compile_cache_dir",
-    "use_compile_cache": "compile_cache",
-    "debug_dump_path": "debug_dump_path",
-    "check_guards": "check_guards",
-    "check_graph_inputs": "check_graph_inputs",
-    "on_compile_error": "on_compile_error",
-}
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add kvgraph's flags (graph mode, sizes, cache and dump dirs) to any server's parser."""
-    group = parser.add_argument_group("kvgraph", "graph compilation and capture")
-    group.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
-                       help="which parts of a forward run as captured graphs (default piecewise)")
-    group.add_argument("--max-num-tokens", type=int, help="largest batch, in tokens")
-    group.add_argument("--capture-sizes", help="comma-separated token counts to capture graphs for")
-    group.add_argument("--compile-sizes", help="comma-separated token counts to build statically")
-    group.add_argument("--piece-compiler", choices=PIECE_COMPILERS,
-                       help="what compiles the pieces between attention ops")
-    group.add_argument("--on-compile-error", choices=ON_COMPILE_ERROR,
-                       help="a piece inductor fails to build: run it uncompiled (eager, the "
-                            "default, with a warning) or raise")
-    group.add_argument("--compile-cache-dir", help="where compiled artifacts are kept")
-    group.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=None,
-                       help="reuse compiled artifacts across processes (default on)")
-    group.add_argument("--debug-dump-path", help="write every compile stage under this directory")
-    group.add_argument("--check-guards", action="store_true", default=None,
-                       help="re-check Dynamo guards on every call (debugging)")
-    group.add_argument("--check-graph-inputs", action="store_true", default=None,
-                       help="check on every replay that graph inputs did not move (debugging)")
-    return parser

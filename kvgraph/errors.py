@@ -21,6 +21,17 @@ class GraphError(RuntimeError):
     """A captured graph was replayed in a way that breaks the graph contract."""
 
 
+class CompileError(RuntimeError):
+    """The model could not be compiled as its config asks; the message and `__cause__` say why
+    (an inductor build with `on_compile_error="raise"`, a compile cache kvgraph may not trust,
+    a model Dynamo cannot trace)."""
+
+
+class RunnerError(RuntimeError):
+    """A ModelRunner cannot do what was asked: it was closed, or its model belongs to another
+    live runner."""
+
+
 class ConfigError(ValueError):
     """A setting (a config field, option, flag or `KVGRAPH_*` variable) cannot be used as given.
 

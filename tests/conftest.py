@@ -40,7 +40,8 @@ def inductor_config(compile_cache_dir):
 
 
 def _reset_compile_state() -> None:
-    from kvgraph.compilation.counters import compile_counters, graph_counters
+    from kvgraph.compilation.counters import compile_counters
+    from kvgraph.runtime.graphs import graph_counters
 
     torch._dynamo.reset()
     compile_counters.reset()

@@ -11,6 +11,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
+from kvgraph.attention.backends import get_attention_backend
 from kvgraph.compilation.backend import KVGraphBackend
 from kvgraph.compilation.counters import compile_counters
 from kvgraph.forward_context import get_forward_context
@@ -64,7 +65,8 @@ class GraphSteps:
 
     def __init__(self, compiled, graph_mode: GraphMode):
         self.compiled, self.graph_mode = compiled, graph_mode
-        self.graphs = GraphSet(get_platform("cpu"))
+        self.graphs = GraphSet(get_platform("cpu"),
+                               get_attention_backend(None, torch.device("cpu")))
         self.keys: set = set()  # (runtime mode, descriptor) captured so far
         self.modes: list[GraphMode] = []  # each step's runtime mode
 
@@ -75,15 +77,20 @@ class GraphSteps:
         num_reqs = metadata.query_start_loc.shape[0] - 1 if mode is GraphMode.FULL else None
         descriptor = kvgraph.BatchDescriptor(input_ids.shape[0], num_reqs, uniform_decode)
         self.modes.append(mode)
+        def forward():
+            return self.compiled(input_ids, positions)
+
         with kvgraph.set_forward_context(metadata, descriptor, runtime_mode=mode,
                                          graphs=self.graphs):
-            if mode is not GraphMode.NONE and (mode, descriptor) not in self.keys:
+            if mode is GraphMode.NONE:
+                return forward()
+            if (mode, descriptor) not in self.keys:
                 self.keys.add((mode, descriptor))
                 with self.graphs.capture_phase():
-                    captured = self.compiled(input_ids, positions)
+                    captured = self.graphs.capture(mode, descriptor, metadata, forward)
                 poisoned = bool(torch.isnan(captured).all())
                 assert poisoned, f"{mode} {descriptor} was not captured"
-            return self.compiled(input_ids, positions)
+            return self.graphs.replay(mode, descriptor, metadata, forward)
 
 
 # SCHEDULE, then steps of other requests with the shapes of earlier ones (13 tokens in two

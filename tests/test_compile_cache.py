@@ -411,7 +411,11 @@ def test_digest_stable_and_order_sensitive():
     assert digest("0.1.0", "2.13.0", "cpu", config) != value
     assert digest("2.13.0", "0.1.0", "cpu", config.replace(graph_mode="full")) != value
     assert digest("a", "b") != digest("b", "a")
+    # Parts are separated: repr alone keeps ("ab", "c") from ("a", "bc") (the quotes), but
+    # 1, 23 and 12, 3 both concatenate to "123".
     assert digest("ab", "c") != digest("a", "bc")
+    assert digest(1, 23) != digest(12, 3)
+    assert digest(1, 2) != digest(12)
     assert digest(1) != digest("1")
     assert digest() != digest("")
     assert digest((1, 2)) != digest(1, 2)

@@ -10,6 +10,7 @@ import pytest
 
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
+from kvgraph.config import DEFAULT_MAX_NUM_TOKENS
 
 ALL_MODES = ["eager", "none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
 FIELDS = [
@@ -50,6 +51,23 @@ def test_graph_mode_parse(text, expected):
     assert GraphMode.parse(text) is expected
 
 
+# Each predicate and the modes it is true for, by name: anything else must make it false.
+PREDICATES = {
+    "compiles": {"none", "piecewise", "full", "full_decode_only", "full_and_piecewise"},
+    "has_graphs": {"piecewise", "full", "full_decode_only", "full_and_piecewise"},
+    "has_full_graphs": {"full", "full_decode_only", "full_and_piecewise"},
+    "has_piecewise_graphs": {"piecewise", "full_and_piecewise"},
+    "only_full_graphs": {"full", "full_decode_only"},
+    "is_runtime_mode": {"none", "piecewise", "full"},
+}
+
+
+@pytest.mark.parametrize("predicate", sorted(PREDICATES))
+def test_graph_mode_predicate_is_true_for_exactly_its_modes(predicate):
+    assert {m.value for m in GraphMode if getattr(m, predicate)} == PREDICATES[predicate]
+    assert all(type(getattr(m, predicate)) is bool for m in GraphMode)
+
+
 def test_graph_mode_parse_unknown_lists_valid_modes():
     with pytest.raises(ValueError) as info:
         GraphMode.parse("cudagraph")
@@ -67,7 +85,7 @@ def test_defaults(monkeypatch, tmp_path):
     config = CompilationConfig()
     assert [f.name for f in dataclasses.fields(CompilationConfig)] == FIELDS
     assert config.graph_mode is GraphMode.PIECEWISE
-    assert config.max_num_tokens == 512
+    assert config.max_num_tokens is None
     assert config.capture_sizes is None
     assert config.compile_sizes == ()
     assert config.piece_compiler == "inductor"
@@ -91,6 +109,8 @@ def test_default_capture_size_list_for_default_max():
     expected = (1, 2, 4) + tuple(range(8, 513, 8))
     assert make().capture_size_list == expected
     assert expected[-1] == 512 and len(expected) == 67
+    assert DEFAULT_MAX_NUM_TOKENS == 512
+    assert make(max_num_tokens=DEFAULT_MAX_NUM_TOKENS).capture_size_list == expected
 
 
 @pytest.mark.parametrize("max_num_tokens, expected", [
@@ -151,6 +171,14 @@ def test_size_equal_to_max_accepted():
 def test_max_num_tokens_must_be_positive():
     with pytest.raises(ValueError, match="max_num_tokens"):
         make(max_num_tokens=0)
+
+
+def test_unset_max_num_tokens_bounds_sizes_only_from_below():
+    config = make(capture_sizes=(1, 4096), compile_sizes=(8192,))
+    assert config.max_num_tokens is None and config.capture_size_list == (1, 4096)
+    for field in ("capture_sizes", "compile_sizes"):
+        with pytest.raises(ValueError, match=rf"^{field} must be >= 1, got \[-1, 0\]$"):
+            make(**{field: (-1, 0, 1)})
 
 
 def test_unknown_piece_compiler_rejected():
@@ -387,9 +415,12 @@ def test_cli_nothing_given_equals_env_config():
         CompilationConfig.from_env(environ)
 
 
-def test_cli_rejects_unknown_graph_mode():
-    with pytest.raises(SystemExit):
+def test_cli_rejects_unknown_graph_mode(capsys):
+    with pytest.raises(SystemExit) as info:
         parse(["--graph-mode", "turbo"])
+    assert info.value.code == 2  # argparse's usage error
+    error = capsys.readouterr().err
+    assert "--graph-mode" in error and "'turbo'" in error, error
 
 
 def test_cli_sizes_are_validated_against_env_max():

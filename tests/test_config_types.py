@@ -40,7 +40,7 @@ def refused(field: str, **kwargs) -> str:
     ("max_num_tokens", True, "int"),
     ("max_num_tokens", 64.0, "int"),
     ("max_num_tokens", "64", "int"),
-    ("max_num_tokens", None, "int"),
+    ("max_num_tokens", 0, "int >= 1"),
     ("capture_sizes", "12", "tuple or list of ints"),
     ("capture_sizes", 12, "tuple or list of ints"),
     ("capture_sizes", [1.5, 2], "ints"),
@@ -79,6 +79,16 @@ def test_wrong_type_refused_naming_field_expected_and_got(field, value, expected
 def test_a_string_of_sizes_is_refused_and_pointed_at_the_parsers():
     message = refused("capture_sizes", capture_sizes="12")
     assert "'12' (str)" in message and "from_options" in message
+
+
+def test_max_num_tokens_none_means_unset_from_every_source():
+    assert make(max_num_tokens=None).max_num_tokens is None
+    assert CompilationConfig.from_options({"max_num_tokens": None, "cache_dir": "/tmp/x"}
+                                          ).max_num_tokens is None
+    assert CompilationConfig.from_env({"KVGRAPH_CACHE_DIR": "/tmp/x"}).max_num_tokens is None
+    args = kvgraph.add_cli_args(argparse.ArgumentParser()).parse_args([])
+    assert CompilationConfig.from_cli_args(args, {"KVGRAPH_CACHE_DIR": "/tmp/x"}
+                                           ).max_num_tokens is None
 
 
 def test_refused_config_errors_are_value_errors():
@@ -130,8 +140,9 @@ def test_on_compile_error_from_options_env_and_flag():
     args = parser.parse_args(["--on-compile-error", "raise"])
     assert CompilationConfig.from_cli_args(args, {"KVGRAPH_CACHE_DIR": "/tmp/x"}
                                            ).on_compile_error == "raise"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as info:
         parser.parse_args(["--on-compile-error", "ignore"])
+    assert info.value.code == 2  # argparse's usage error
 
 
 # --- no capture sizes --------------------------------------------------------------------------
@@ -234,7 +245,8 @@ def test_any_value_gives_a_config_or_a_config_error(field, value):
     except ConfigError as error:
         assert error.field == field or error.field == "capture_sizes", (field, value, error)
         return
-    assert isinstance(config.graph_mode, GraphMode) and type(config.max_num_tokens) is int
+    assert isinstance(config.graph_mode, GraphMode)
+    assert config.max_num_tokens is None or type(config.max_num_tokens) is int
     assert all(type(s) is int for s in config.capture_size_list + config.compile_sizes)
 
 

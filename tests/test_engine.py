@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvgraph
-from examples.engine import EngineConfig, FinishReason, LLMEngine, RequestError, SamplingParams
+from examples.engine import FinishReason, LLMEngine, RequestError, SamplingParams
 from examples.engine.block_allocator import BlockAllocator
 from examples.engine.detokenizer import Detokenizer
 from examples.engine.tokenizer import ByteTokenizer
@@ -27,7 +27,8 @@ PROMPTS = [[(7 * i + 3 * j) % 256 for j in range(3 + 9 * i % 39)] for i in range
 
 @pytest.fixture(scope="module")
 def model():
-    return Llama.from_preset("tiny", seed=1)
+    """Builds the model: one per engine (a model serves one live runner), the same weights."""
+    return lambda: Llama.from_preset("tiny", seed=1)
 
 
 def make_engine(model, mode="eager", num_blocks=None, max_num_seqs=4, budget=32,
@@ -36,12 +37,10 @@ def make_engine(model, mode="eager", num_blocks=None, max_num_seqs=4, budget=32,
     config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
                                        max_num_tokens=budget,
                                        capture_sizes=[s for s in (1, 2, 4, 8, 16) if s <= budget])
-    runner = kvgraph.ModelRunner(model, config, num_blocks=num_blocks, block_size=BLOCK_SIZE,
-                                 max_num_tokens=budget, max_num_seqs=max_num_seqs,
-                                 max_model_len=MAX_MODEL_LEN)
+    runner = kvgraph.ModelRunner(model(), config, num_blocks=num_blocks, block_size=BLOCK_SIZE,
+                                 max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN)
     runner.capture()
-    return LLMEngine(runner, tokenizer or ByteTokenizer(),
-                     EngineConfig(max_num_seqs, MAX_MODEL_LEN, num_blocks, BLOCK_SIZE))
+    return LLMEngine(runner, tokenizer or ByteTokenizer())
 
 
 def tokens(completions) -> list[tuple[int, ...]]:

@@ -14,7 +14,9 @@ import torch
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
 from kvgraph.attention.batch import host_batch
-from kvgraph.compilation.counters import compile_counters, graph_counters
+from kvgraph.compilation.counters import compile_counters
+from kvgraph.runtime.graphs import graph_counters
+from kvgraph.runtime.platforms.base import tensors_in
 from tests.scenario import (
     BLOCK_SIZE, NUM_BLOCKS, TOLERANCE, assert_matches_eager, generate, make_model, make_runner,
 )
@@ -52,19 +54,24 @@ def test_execute_before_capture_runs_without_graphs_and_equals_eager(mode, caplo
     assert runner.stats()["graphs"]["captures"] > 0
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_graph_wrappers_outside_the_capture_phase_run_without_capturing(mode):
-    """Below the dispatcher: a step run in a graph mode, whose descriptor has no graph."""
+def test_a_wrapper_trusts_the_dispatch_and_a_graph_never_captured_is_an_error():
+    """Below the dispatcher: graphs are replayed only for descriptors the GraphSet has, and
+    captured only in its capture phase; a wrapper never decides to run without its graph."""
     chunks = [kvgraph.RequestChunk([3, 1, 4], 0, [2]), kvgraph.RequestChunk([5], 0, [7])]
-    expected = make_runner("llama", "eager").execute(chunks)
-    runner = make_runner("llama", "full" if mode == "full" else "piecewise",
-                         attn_backend="test_always")
-    batch = host_batch(chunks, BLOCK_SIZE)
-    hidden = runner._run(runner.dispatcher.plan_for(batch, GraphMode(mode),
-                                                    kvgraph.BatchDescriptor(4)))
-    logits = runner.model.compute_logits(hidden[torch.tensor([2, 3])])
-    torch.testing.assert_close(logits, expected, **TOLERANCE)
-    assert not runner.graphs.entries
+    runner = make_runner("llama", "piecewise")
+    runner.compile()
+    graphs, descriptor = runner._graphs, kvgraph.BatchDescriptor(4)
+    step = runner._prepare(host_batch(chunks, BLOCK_SIZE), GraphMode.NONE, descriptor)
+    assert not graphs.has(GraphMode.PIECEWISE, descriptor)
+    with pytest.raises(kvgraph.GraphError, match="no graphs were captured for piecewise"):
+        graphs.replay(GraphMode.PIECEWISE, descriptor, step.metadata, lambda: None)
+    with pytest.raises(kvgraph.GraphError, match="only inside GraphSet.capture_phase"):
+        graphs.capture(GraphMode.PIECEWISE, descriptor, step.metadata, lambda: None)
+    with kvgraph.set_forward_context(step.metadata, descriptor, runner.attn_backend,
+                                     GraphMode.PIECEWISE, graphs):
+        with pytest.raises(kvgraph.GraphError, match="outside a replay"):
+            runner._forward(step.input_ids, step.positions)
+    assert not graphs.entries()
 
 
 def test_each_runner_owns_its_graphs_and_dropping_it_frees_them():
@@ -72,8 +79,9 @@ def test_each_runner_owns_its_graphs_and_dropping_it_frees_them():
     first, second = make_runner("llama", "full_and_piecewise"), make_runner("llama", "piecewise")
     first.capture()
     second.capture()
-    graphs = [weakref.ref(entry.graph) for entry in first.graphs.entries.values()]
-    assert graphs and not set(first.graphs.entries) & set(second.graphs.entries)
+    graphs = [weakref.ref(entry.graph) for entry in first._graphs.entries()]
+    assert graphs and not {id(e.graph) for e in first._graphs.entries()} & {
+        id(e.graph) for e in second._graphs.entries()}
     del first
     gc.collect()
     assert all(graph() is None for graph in graphs), "a dropped runner's graphs are still alive"
@@ -81,18 +89,28 @@ def test_each_runner_owns_its_graphs_and_dropping_it_frees_them():
     assert second.stats()["graphs"]["replays"] > 0
 
 
-def test_close_frees_the_graphs_and_later_steps_run_without_them():
+def test_close_frees_graphs_caches_and_the_model_and_the_runner_refuses_to_run():
     expected = eager_generation()
-    runner = make_runner("llama", "full_and_piecewise")
+    model = make_model("llama")
+    config = CompilationConfig(graph_mode="full_and_piecewise", piece_compiler="eager",
+                               capture_sizes=(1, 2, 4, 8, 16))
+    runner = kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                 max_num_tokens=32, max_num_seqs=8)
     runner.capture()
-    graphs = [weakref.ref(entry.graph) for entry in runner.graphs.entries.values()]
+    graphs = [weakref.ref(entry.graph) for entry in runner._graphs.entries()]
+    caches = [weakref.ref(t) for cache in runner.kv_caches.values() for t in cache]
     runner.close()
     gc.collect()
-    assert all(graph() is None for graph in graphs)
-    assert_same_generation(runner, expected)
-    stats = runner.stats()
-    assert stats["graphs"]["captures"] == 0 and stats["graphs"]["graph_bytes"] == 0
-    assert stats["uncaptured"] > 0
+    assert all(graph() is None for graph in graphs), "close() kept graphs alive"
+    assert all(cache() is None for cache in caches), "close() kept the KV caches alive"
+    assert all(layer.kv_cache == () for layer in kvgraph.attention_layers(model).values())
+    assert runner.stats()["graphs"]["captures"] == 0
+    with pytest.raises(kvgraph.RunnerError, match="was closed"):
+        runner.execute([kvgraph.RequestChunk([1], 0, [0])])
+    again = kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                                max_num_tokens=32, max_num_seqs=8)  # the model is free again
+    again.capture()
+    assert_same_generation(again, expected)
 
 
 def test_more_runners_than_dynamos_recompile_limit_each_compile():
@@ -114,7 +132,9 @@ def sized_runner(capture_sizes):
                                block_size=BLOCK_SIZE, max_num_tokens=32, max_num_seqs=8)
 
 
-def test_graph_memory_is_reported_per_descriptor_and_grows_with_capture_sizes():
+def test_graph_memory_is_shared_across_sizes_and_reported_per_descriptor():
+    """A runner's graphs share one pool, as on a device: the largest size, captured first,
+    holds the memory every smaller size reuses, so the total is the largest size's."""
     small, large = sized_runner((1, 2)), sized_runner((1, 2, 4, 8, 16))
     summaries = [small.capture(), large.capture()]
     for summary in summaries:
@@ -123,13 +143,38 @@ def test_graph_memory_is_reported_per_descriptor_and_grows_with_capture_sizes():
         assert sum(by_descriptor.values()) == summary["bytes"] > 0
     assert summaries[1]["bytes"] > summaries[0]["bytes"]
     by_descriptor = summaries[1]["bytes_by_descriptor"]
-    assert (by_descriptor["piecewise:BatchDescriptor(num_tokens=16, num_reqs=None, "
-                          "uniform_decode=False)"]
-            > by_descriptor["piecewise:BatchDescriptor(num_tokens=1, num_reqs=None, "
-                            "uniform_decode=False)"] > 0)
+    largest = "piecewise:BatchDescriptor(num_tokens=16, num_reqs=None, uniform_decode=False)"
+    full_8 = "full:BatchDescriptor(num_tokens=8, num_reqs=8, uniform_decode=True)"
+    assert summaries[1]["bytes"] == by_descriptor[largest] + by_descriptor[full_8]
+    assert all(size == 0 for key, size in by_descriptor.items() if key not in (largest, full_8))
     stats = large.stats()["graphs"]
     assert stats["graph_bytes"] == summaries[1]["bytes"]
     assert stats["bytes_by_descriptor"] == by_descriptor
+
+
+def test_what_a_cpu_graph_keeps_alive_is_its_position_s_shared_memory():
+    """The reference discipline: every size of one piece returns its outputs in the same
+    memory of the pool, so replaying one size overwrites what another returned (as on a
+    device), and the pool holds one buffer per piece output, not one per size."""
+    runner = sized_runner((4, 8, 16))
+    runner.capture()
+    storages: dict[tuple[str, int], set[int]] = {}
+    sizes: dict[str, int] = {}
+    for entry in runner._graphs.entries():
+        sizes[entry.graph.name] = sizes.get(entry.graph.name, 0) + 1
+        for index, tensor in enumerate(tensors_in(entry.graph.outputs)):
+            storages.setdefault((entry.graph.name, index), set()).add(
+                tensor.untyped_storage().data_ptr())
+    assert sizes["full"] == 2 and all(n == 3 for name, n in sizes.items() if name != "full")
+    assert all(len(pointers) == 1 for pointers in storages.values()), storages
+    pool = runner._graphs.pool
+    assert set(pool.buffers) == set(storages)
+    assert runner.stats()["graphs"]["graph_bytes"] == pool.nbytes
+    runner.execute([kvgraph.RequestChunk(list(range(13)), 0, [0, 1, 2, 3])])  # 16-token graphs
+    held = runner.hidden_states
+    kept = held.clone()
+    runner.execute([kvgraph.RequestChunk([5, 6, 7], 0, [9])])  # 3 tokens: the 4-token graphs
+    assert not torch.equal(held, kept), "a replay of another size left this size's output as is"
 
 
 def test_no_splitting_ops_captures_the_whole_forward_per_descriptor(caplog):

@@ -1,5 +1,7 @@
 """KV cache specs, allocation and bind_kv_cache: the dict and list forms, sharing, every error."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -88,18 +90,25 @@ def test_bind_dict_form_sets_the_very_tuples():
 
 
 def test_bind_list_form_follows_layer_index_with_gaps():
-    kinds = ["mlp"] * 29
-    kinds[20], kinds[28], kinds[5] = "decoder", "decoder", "encoder_only"
-    model = model_of_layers(kinds)
-    first = kvgraph.AttentionSpec(BLOCK, KV_HEADS, HEAD, torch.float32).allocate(3, "cpu")
-    second = kvgraph.AttentionSpec(BLOCK, KV_HEADS, HEAD, torch.float32).allocate(3, "cpu")
-    kvgraph.bind_kv_cache(layers_of(model), [first, second])
-    layers = model.model.layers
-    assert layers[20].attn.kv_cache[0] is first[0]
-    assert layers[28].attn.kv_cache[1] is second[1]
-    assert layers[5].attn.kv_cache == ()
-    with pytest.raises(KVCacheError, match="2 layers keep their own"):
-        kvgraph.bind_kv_cache(layers_of(model), [first])
+    # Module order 28, 3, 12; name order 12, 28, 3 ("model.layers.12" < "model.layers.28" <
+    # "model.layers.3"); layer-index order 3, 12, 28. Each order gives every entry to a different
+    # layer, so only sorting by layer index binds the list as asserted.
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([Block(28, "decoder"), Block(5, "encoder_only"),
+                                        Block(3, "decoder"), Block(7, "mlp"), Block(12, "decoder")])
+    spec = kvgraph.AttentionSpec(BLOCK, KV_HEADS, HEAD, torch.float32)
+    caches = [spec.allocate(3, "cpu") for _ in range(3)]
+    kvgraph.bind_kv_cache(layers_of(model), caches)
+    attn = kvgraph.attention_layers(model)
+    for index, cache in zip((3, 12, 28), caches):
+        bound = attn[f"model.layers.{index}.attn"].kv_cache
+        assert bound[0] is cache[0] and bound[1] is cache[1], index
+    assert attn["model.layers.5.attn"].kv_cache == ()
+    in_index_order = [f"model.layers.{i}.attn" for i in (3, 12, 28)]
+    with pytest.raises(KVCacheError, match=re.escape(f"3 layers keep their own cache, in "
+                                                     f"layer-index order: {in_index_order}")):
+        kvgraph.bind_kv_cache(layers_of(model), caches[:2])
 
 
 def test_bind_sharing_reuses_the_target_tuple_through_chains():

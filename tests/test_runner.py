@@ -8,7 +8,7 @@ import torch
 import kvgraph
 from kvgraph import CompilationConfig, GraphMode
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
-from kvgraph.compilation.counters import graph_counters
+from kvgraph.runtime.graphs import graph_counters
 from tests.scenario import (
     BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, TOLERANCE, assert_matches_eager, generate, make_model,
     make_runner,
@@ -135,7 +135,7 @@ def test_batches_the_buffers_cannot_hold_are_rejected():
 def test_graph_inputs_that_move_are_caught_in_debug_mode():
     runner = make_runner("llama", "piecewise")
     runner.capture()
-    runner.buffers.input_ids = runner.buffers.input_ids.clone()  # a reallocated buffer
+    runner._buffers.input_ids = runner._buffers.input_ids.clone()  # a reallocated buffer
     with pytest.raises(kvgraph.errors.GraphError, match="not at the addresses"):
         runner.execute([kvgraph.RequestChunk([1, 2], 0, [0])])
 
@@ -156,7 +156,7 @@ def test_cpu_full_graphs_read_only_a_batch_s_own_keys():
     # A CPU graph reruns Python on replay, so nothing freezes max_seq_len at max_model_len.
     runner = make_runner("llama", "full_and_piecewise")
     runner.capture()
-    plan = runner.dispatcher.plan([kvgraph.RequestChunk([1], 5, [3, 4])] * 1)
+    plan = runner.prepare_step([kvgraph.RequestChunk([1], 5, [3, 4])] * 1).plan
     assert plan.runtime_mode is GraphMode.FULL and plan.descriptor.uniform_decode
     assert (plan.padded_reqs, plan.max_query_len, plan.max_seq_len) == (1, 1, 6)
 
@@ -167,24 +167,24 @@ def test_the_device_graphs_frozen_shapes_still_generate_what_eager_does(mode, ba
     eager = make_runner("llama", "eager")
     expected, expected_tokens = generate(eager, eager.model.config.vocab_size)
     runner = make_runner("llama", mode, attn_backend=backend)
-    runner.dispatcher.freezes_shapes = True
+    runner._freezes_shapes = True  # what a device platform says
     runner.capture()
     logits, tokens = generate(runner, runner.model.config.vocab_size)
     assert tokens == expected_tokens
     torch.testing.assert_close(logits, expected, **TOLERANCE)
-    plan = runner.dispatcher.plan([kvgraph.RequestChunk([1], 5, [3, 4])])
-    assert plan.max_seq_len == runner.max_model_len
+    plan = runner.prepare_step([kvgraph.RequestChunk([1], 5, [3, 4])]).plan
+    assert plan.max_seq_len == runner.limits.max_model_len
 
 
 def test_every_step_input_is_a_view_of_one_buffer_that_never_moves():
     # One buffer means one host-to-device copy a step on a device; it never moves, so graphs
     # captured on it stay valid.
     runner = make_runner("llama", "piecewise")
-    storage = runner.buffers.device_bytes.untyped_storage().data_ptr()
+    storage = runner._buffers.device_bytes.untyped_storage().data_ptr()
     for chunks in ([kvgraph.RequestChunk([1, 2, 3], 0, [5])],
                    [kvgraph.RequestChunk([4], 3, [5]), kvgraph.RequestChunk([5] * 6, 0, [7, 8])]):
-        plan = runner.dispatcher.plan(chunks)
-        input_ids, positions, metadata = runner.buffers.fill(plan)
+        step = runner.prepare_step(chunks)
+        input_ids, positions, metadata = step.input_ids, step.positions, step.metadata
         tensors = [input_ids, positions, metadata.slot_mapping, metadata.block_table,
                    metadata.seq_lens, metadata.query_start_loc]
         assert {t.untyped_storage().data_ptr() for t in tensors} == {storage}

@@ -61,7 +61,7 @@ def make_runner(args, mode: str, weights: Mapping[str, torch.Tensor]) -> kvgraph
 def host_seconds(runner: kvgraph.ModelRunner, chunks: list[kvgraph.RequestChunk]) -> float:
     """Host time of one step's preparation: planning it and filling the persistent inputs."""
     start = time.perf_counter()
-    runner.buffers.fill(runner.dispatcher.plan(chunks))
+    runner.prepare_step(chunks)
     return time.perf_counter() - start
 
 
@@ -69,9 +69,9 @@ class Requests:
     """One batch of requests on a runner: prefilled on creation, then advanced greedily."""
 
     def __init__(self, runner: kvgraph.ModelRunner, batch: int, prompt_len: int):
-        blocks_per_seq = runner.max_model_len // BLOCK_SIZE
+        blocks_per_seq = runner.limits.max_model_len // BLOCK_SIZE
         self.prompt_len = prompt_len
-        self.tokens = prompts(batch, prompt_len, runner.model.config.vocab_size)
+        self.tokens = prompts(batch, prompt_len, runner.vocab_size)
         self.tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))
                        for i in range(batch)]
         chunks = [kvgraph.RequestChunk(t, 0, b) for t, b in zip(self.tokens, self.tables)]

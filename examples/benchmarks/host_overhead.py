@@ -17,14 +17,13 @@ import torch
 import kvgraph
 from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import Llama
-from kvgraph.attention.backends import GraphSupport, register_attention_backend
+from kvgraph.attention.backends import AttentionBackend, GraphSupport, register_attention_backend
 
 
-class NoKernels:
+class NoKernels(AttentionBackend):
     """An attention backend that launches nothing: the op's own host cost is all that is left."""
 
     name = "no_kernels"
-    device_types = None
     graph_support = GraphSupport.ALWAYS
 
     def forward(self, *args):
@@ -62,7 +61,7 @@ def step_us(batch: int, repeats: int) -> float:
                                  max_model_len=1024)
     chunks = [kvgraph.RequestChunk([5], 900, list(range(i * 64, i * 64 + 57)))
               for i in range(batch)]
-    return microseconds(lambda: runner.buffers.fill(runner.dispatcher.plan(chunks)), repeats)
+    return microseconds(lambda: runner.prepare_step(chunks), repeats)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -5,7 +5,7 @@ template (jinja2) and the server's packages are imported when first needed.
 """
 
 from .async_engine import AsyncEngine
-from .engine import EngineConfig, LLMEngine
+from .engine import LLMEngine
 from .engine_args import add_engine_args, build_engine
 from .errors import RequestError
 from .request import Completion, FinishReason, Request, RequestOutput
@@ -14,7 +14,6 @@ from .sampling_params import SamplingParams
 __all__ = [
     "AsyncEngine",
     "Completion",
-    "EngineConfig",
     "FinishReason",
     "LLMEngine",
     "Request",

@@ -1,15 +1,16 @@
 """LLMEngine: requests in, tokens out, one continuous-batching step at a time.
 
 The model runs only through `kvgraph.ModelRunner.execute`; the engine owns everything around
-it: the scheduler and its block allocator, sampling, stopping and detokenizing. It is not
-thread-safe: one thread (the server's engine loop, or the offline caller) drives it.
+it: the scheduler and its block allocator, sampling, stopping and detokenizing. Its limits are
+the runner's (`runner.limits`: blocks, block size, requests and tokens per step, context), so
+the two cannot disagree. It is not thread-safe: one thread (the server's engine loop, or the
+offline caller) drives it.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import kvgraph
@@ -23,35 +24,23 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's limits. The token budget per step is the runner's `max_num_tokens`."""
-
-    max_num_seqs: int
-    max_model_len: int
-    num_blocks: int
-    block_size: int
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        needed = blocks_for(self.max_model_len, self.block_size)
-        if self.num_blocks < needed:
-            raise ValueError(
-                f"num_blocks={self.num_blocks} cannot hold one sequence of max_model_len="
-                f"{self.max_model_len} tokens (needs {needed} blocks of {self.block_size})")
-
-
 class LLMEngine:
-    """Continuous batching over one `ModelRunner` and one tokenizer."""
+    """Continuous batching over one `ModelRunner` and one tokenizer; `seed` seeds sampling."""
 
-    def __init__(self, runner: kvgraph.ModelRunner, tokenizer: Any, config: EngineConfig):
+    def __init__(self, runner: kvgraph.ModelRunner, tokenizer: Any, seed: int = 0):
+        limits = runner.limits
+        needed = blocks_for(limits.max_model_len, limits.block_size)
+        if limits.num_blocks < needed:
+            raise ValueError(
+                f"the runner's num_blocks={limits.num_blocks} cannot hold one sequence of "
+                f"max_model_len={limits.max_model_len} tokens (needs {needed} blocks of "
+                f"{limits.block_size})")
         self.runner = runner
         self.tokenizer = tokenizer
-        self.config = config
-        self.allocator = BlockAllocator(config.num_blocks)
-        self.scheduler = Scheduler(self.allocator, config.block_size, config.max_num_seqs,
-                                   runner.config.max_num_tokens)
-        self.sampler = Sampler(runner.device, config.seed)
+        self.allocator = BlockAllocator(limits.num_blocks)
+        self.scheduler = Scheduler(self.allocator, limits.block_size, limits.max_num_seqs,
+                                   limits.max_num_tokens)
+        self.sampler = Sampler(runner.device, seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -59,7 +48,7 @@ class LLMEngine:
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a request that could never run; safe from any thread."""
-        limit = self.config.max_model_len
+        limit = self.runner.limits.max_model_len
         if not prompt_token_ids:
             raise RequestError("prompt", "the prompt is empty")
         if len(prompt_token_ids) >= limit:
@@ -71,8 +60,8 @@ class LLMEngine:
                                f"{len(prompt_token_ids)} tokens exceeds the context "
                                f"(max_model_len={limit}); at most "
                                f"{limit - len(prompt_token_ids)} can be generated")
-        vocab = self.runner.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
+        vocab = self.runner.vocab_size
+        if vocab is not None and any(not 0 <= t < vocab for t in prompt_token_ids):
             raise RequestError("prompt", f"prompt token ids must lie in [0, {vocab})")
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,

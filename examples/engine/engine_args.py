@@ -19,7 +19,7 @@ from torch import nn
 import kvgraph
 
 from .block_allocator import blocks_for
-from .engine import EngineConfig, LLMEngine
+from .engine import LLMEngine
 from .tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -100,11 +100,10 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
                   or blocks_for(max_model_len, args.block_size) * args.max_num_seqs)
     runner = kvgraph.ModelRunner(
         model, config, num_blocks=num_blocks, block_size=args.block_size,
-        max_num_tokens=config.max_num_tokens, max_num_seqs=args.max_num_seqs,
-        device=args.device, max_model_len=max_model_len, attn_backend=args.attention_backend)
-    capture = runner.capture()  # the first capture traces and compiles the model
-    engine = LLMEngine(runner, tokenizer, EngineConfig(
-        args.max_num_seqs, max_model_len, num_blocks, args.block_size, args.seed))
+        max_num_seqs=args.max_num_seqs, device=args.device, max_model_len=max_model_len,
+        attn_backend=args.attention_backend)
+    capture = runner.capture()  # compiles first: a compile error raises here, before serving
+    engine = LLMEngine(runner, tokenizer, args.seed)
     summary = {"graph_mode": runner.config.graph_mode.value, "graphs": capture["graphs"],
                "graph_bytes": capture["bytes"], "seconds": time.perf_counter() - start,
                "compile": runner.stats()["compile"]}

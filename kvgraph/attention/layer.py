@@ -6,7 +6,8 @@ import torch
 
 from kvgraph.attention import ops  # noqa: F401  (registers torch.ops.kvgraph.*)
 from kvgraph.errors import KVCacheError
-from kvgraph.kv_cache.spec import AttentionLayerBase, AttentionSpec, KVCacheSpec, MLASpec
+from kvgraph.attention.layer_base import AttentionLayerBase
+from kvgraph.kv_cache.spec import AttentionSpec, KVCacheSpec, MLASpec
 
 ATTENTION_TYPES = ("decoder", "encoder_only")
 

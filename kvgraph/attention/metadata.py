@@ -6,7 +6,7 @@ Building metadata from chunks (validated, vectorised) lives in `kvgraph.attentio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -70,6 +70,9 @@ class AttentionMetadata:
     # fp32 device scratch a backend may use instead of allocating (split-KV's partial results);
     # the runner's never moves, so graphs may hold it. None: allocate.
     workspace: torch.Tensor | None = None
+    # The attention backend's plan of this step (`AttentionBackend.plan`): made once, read by
+    # every layer's op call.
+    plan: Any = None
 
     @property
     def uniform_decode(self) -> bool:

@@ -17,7 +17,7 @@ from torch import fx
 
 from kvgraph.attention.op_names import ATTENTION_OPS
 from kvgraph.compilation.cache import CompileCache, digest, graph_fingerprint, source_files_digest
-from kvgraph.compilation.counters import compile_counters
+from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.debug import DebugDump
 from kvgraph.compilation.graph_wrapper import GraphWrapper
 from kvgraph.compilation.piece_compiler import make_piece_compiler
@@ -48,11 +48,15 @@ def _traced_source_files() -> list[str]:
 
 
 class KVGraphBackend:
-    """Compiles each Dynamo graph it is given according to one `CompilationConfig`."""
+    """Compiles each Dynamo graph it is given according to one `CompilationConfig`.
+
+    `counters` count what it did (the process's totals count it too).
+    """
 
     def __init__(self, config: CompilationConfig | None = None):
         self.config = config or CompilationConfig()
         self.pass_manager = PassManager([REGISTERED_PASSES[name] for name in self.config.passes])
+        self.counters = CompileCounters()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  mode: str | None = None, options: Mapping[str, Any] | None = None) -> Callable:
@@ -61,8 +65,8 @@ class KVGraphBackend:
                 "this KVGraphBackend already has its config; pass mode/options to "
                 "CompilationConfig instead, or use backend='kvgraph'"
             )
-        compile_counters.dynamo_graphs += 1
-        if self.config.graph_mode is GraphMode.EAGER:
+        self.counters.add("dynamo_graphs")
+        if not self.config.graph_mode.compiles:
             return gm
         start = time.perf_counter()
         values = _example_values(gm)
@@ -81,54 +85,55 @@ class KVGraphBackend:
         with cache.inductor_dir() if cache else contextlib.nullcontext():
             self.pass_manager(gm, dump and (lambda name, g: dump.graph(f"pass-{name}", g)))
             compiled = self._compile(gm, values, cache, dump)
-        compile_counters.compile_seconds += time.perf_counter() - start
+        self.counters.add("compile_seconds", time.perf_counter() - start)
         if dump:
-            dump.json("counters", compile_counters.snapshot())
+            dump.json("counters", self.counters.snapshot())
         if self.config.graph_mode.has_full_graphs:
-            compiled = GraphWrapper(compiled, GraphMode.FULL, "full")
+            compiled = GraphWrapper(compiled, GraphMode.FULL, "full", last=True)
         return compiled
 
     def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None,
                  dump: DebugDump | None) -> Callable:
         config = self.config
         # Modes whose only graphs are full ones build the whole graph, attention included.
-        whole = config.graph_mode in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
-        if whole or not config.splitting_ops:
+        if config.graph_mode.only_full_graphs or not config.splitting_ops:
             patches = dict(config.inductor_options)
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)
-            compiler = make_piece_compiler(config.piece_compiler, cache, patches,
+            compiler = make_piece_compiler(config.piece_compiler, cache, self.counters, patches,
                                            config.on_compile_error)
-            compile_counters.pieces += 1
+            self.counters.add("pieces")
             return build_piece(gm, values, config.compile_sizes, compiler,
-                               graph_fingerprint(gm))
+                               graph_fingerprint(gm), self.counters)
         return self._compile_pieces(gm, cache, dump)
 
     def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None,
                         dump: DebugDump | None) -> fx.GraphModule:
         config = self.config
-        compiler = make_piece_compiler(config.piece_compiler, cache, config.inductor_options,
-                                       config.on_compile_error)
+        compiler = make_piece_compiler(config.piece_compiler, cache, self.counters,
+                                       config.inductor_options, config.on_compile_error)
         split = split_at_attention(gm, config.splitting_ops)
         if dump:
             dump.graph("split", split.split_module)
         built: dict[str, PiecewiseBackend] = {}
+        last = [piece for piece in split.pieces if not piece.is_splitting_op][-1].name
         for piece in split.pieces:
             if dump:
                 dump.graph(f"piece-{piece.name}", piece.graph_module)
             if piece.is_splitting_op:
                 continue
-            compile_counters.pieces += 1
+            self.counters.add("pieces")
             fingerprint = graph_fingerprint(piece.graph_module)
             if fingerprint not in built:
                 built[fingerprint] = build_piece(
                     piece.graph_module, _example_values(piece.graph_module),
-                    config.compile_sizes, compiler, fingerprint,
+                    config.compile_sizes, compiler, fingerprint, self.counters,
                 )
             runnable: Callable = built[fingerprint]
             if config.graph_mode.has_piecewise_graphs:
                 # One wrapper per position: identical pieces share builds, never graphs.
-                runnable = GraphWrapper(runnable, GraphMode.PIECEWISE, piece.name)
+                runnable = GraphWrapper(runnable, GraphMode.PIECEWISE, piece.name,
+                                        last=piece.name == last)
             # setattr rejects non-Modules; the split module's forward finds it in __dict__.
             split.split_module.__dict__[piece.name] = runnable
         return split.split_module
@@ -143,7 +148,7 @@ class KVGraphBackend:
             torch.__version__, __version__, _device_of(_example_values(gm)).type,
             self.pass_manager.uuid(), settings, source_files_digest(_traced_source_files()),
         )
-        return CompileCache.open(config.cache_dir, key)
+        return CompileCache.open(config.cache_dir, key, self.counters)
 
 
 def kvgraph_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,

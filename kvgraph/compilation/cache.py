@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 from kvgraph.cache_dir import CACHE_DIR_SETTINGS, check_cache_dir, check_trusted
-from kvgraph.compilation.counters import compile_counters
+from kvgraph.compilation.counters import CompileCounters, compile_counters
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +105,22 @@ class CompileCache:
     error: kvgraph warns once and compiles on, loading what it can and saving nothing.
     """
 
-    def __init__(self, root: str | os.PathLike, key: str):
+    def __init__(self, root: str | os.PathLike, key: str,
+                 counters: CompileCounters | None = None):
+        # The compiled model's (damaged artifacts are counted there), else the process's.
+        self.counters = counters or compile_counters
         self.root = Path(root)
         self.directory = self.root / key[:24]
         self.inductor_directory = self.root / "inductor"
         self.writable = True
 
     @classmethod
-    def open(cls, root: str | os.PathLike, key: str) -> CompileCache | None:
+    def open(cls, root: str | os.PathLike, key: str, counters: CompileCounters | None = None
+             ) -> CompileCache | None:
         """The cache for `key` under `root`, its directories made (private) where missing; None,
         with a warning, when there is nothing to load and nowhere to save."""
         check_cache_dir(root)
-        cache = cls(Path(root).resolve(), key)
+        cache = cls(Path(root).resolve(), key, counters)
         try:
             cache.root.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
             for directory in (cache.directory, cache.inductor_directory):
@@ -212,7 +216,7 @@ class CompileCache:
 
     def _discard(self, path: Path, why: str) -> None:
         logger.warning("kvgraph: discarding compiled artifact %s: %s; rebuilding it", path, why)
-        compile_counters.cache_corrupt += 1
+        self.counters.add("cache_corrupt")
         with contextlib.suppress(OSError):  # gone already, or a read-only cache: rebuilt anyway
             path.unlink()
         return None

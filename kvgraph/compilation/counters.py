@@ -1,4 +1,4 @@
-"""Process-wide counts of what compilation and graph capture did, for tests, benchmarks, logs."""
+"""Counts of what compilation did: one compiled model's, and the process's totals (tests, logs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 @dataclass
 class CompileCounters:
-    """What kvgraph's backend did since the last `reset()`."""
+    """What kvgraph's backend did: for one compiled model, or in the process (`compile_counters`).
+
+    Counting sites call `add`, which counts in the model's counters and in the process's.
+    """
 
     dynamo_graphs: int = 0  # graphs Dynamo handed to the backend (one per trace)
     pieces: int = 0  # compute pieces seen across all graphs
@@ -19,6 +22,12 @@ class CompileCounters:
     build_fallbacks: int = 0  # builds inductor failed at, run as traced FX code instead
     compile_seconds: float = 0.0
 
+    def add(self, name: str, amount: int | float = 1) -> None:
+        """Count `amount` of `name` here and, for a model's counters, in the process's."""
+        setattr(self, name, getattr(self, name) + amount)
+        if self is not compile_counters:
+            compile_counters.add(name, amount)
+
     def reset(self) -> None:
         for field in dataclasses.fields(self):
             setattr(self, field.name, field.default)
@@ -27,18 +36,4 @@ class CompileCounters:
         return dataclasses.asdict(self)
 
 
-@dataclass
-class GraphCounters:
-    """What graph wrappers did since the last `reset()`."""
-
-    captures: int = 0
-    replays: int = 0
-    capture_seconds: float = 0.0
-    graph_bytes: int = 0  # output buffers (CPU) or pool growth (CUDA, NPU) of captured graphs
-
-    reset = CompileCounters.reset
-    snapshot = CompileCounters.snapshot
-
-
-compile_counters = CompileCounters()
-graph_counters = GraphCounters()
+compile_counters = CompileCounters()  # the process's totals; `reset()` between tests

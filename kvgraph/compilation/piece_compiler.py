@@ -9,7 +9,7 @@ from typing import Any, Callable, Protocol, Sequence
 from torch import fx
 
 from kvgraph.compilation.cache import CompileCache
-from kvgraph.compilation.counters import compile_counters
+from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.piecewise import token_symbols
 
 logger = logging.getLogger(__name__)
@@ -37,14 +37,16 @@ class InductorPieceCompiler:
     """Builds pieces with `torch._inductor.standalone_compile`, through the compile cache.
 
     A build inductor fails at runs as the traced FX code instead, with a warning, unless
-    `on_error` is "raise" (the config's `on_compile_error`).
+    `on_error` is "raise" (the config's `on_compile_error`). Builds, hits and fallbacks are
+    counted in `counters` (the compiled model's).
     """
 
     name = "inductor"
 
-    def __init__(self, cache: CompileCache | None, config_patches: dict[str, Any] | None = None,
-                 on_error: str = "eager"):
+    def __init__(self, cache: CompileCache | None, counters: CompileCounters,
+                 config_patches: dict[str, Any] | None = None, on_error: str = "eager"):
         self.cache = cache
+        self.counters = counters
         self.config_patches = config_patches or {}
         self.on_error = on_error
 
@@ -59,7 +61,7 @@ class InductorPieceCompiler:
         if self.cache is not None:
             loaded = self.cache.load(build_name, lambda path: CompiledArtifact.load(path=path))
             if loaded is not None:
-                compile_counters.cache_hits += 1
+                self.counters.add("cache_hits")
                 return loaded
         try:
             artifact = self._build(gm, example_inputs, build_name)
@@ -69,7 +71,7 @@ class InductorPieceCompiler:
             logger.warning("kvgraph: inductor could not build %s, so it runs uncompiled (eager): "
                            "%s: %s (on_compile_error='raise' makes this an error)", build_name,
                            type(error).__name__, str(error).strip().split("\n")[0])
-            compile_counters.build_fallbacks += 1
+            self.counters.add("build_fallbacks")
             return gm
         if self.cache is not None:
             try:
@@ -86,14 +88,14 @@ class InductorPieceCompiler:
             gm, list(example_inputs), dynamic_shapes=self.dynamic_shapes(example_inputs),
             options={"config_patches": self.config_patches},
         )
-        compile_counters.builds += 1
+        self.counters.add("builds")
         logger.debug("kvgraph: built %s in %.2f s", build_name, time.perf_counter() - start)
         return artifact
 
 
-def make_piece_compiler(name: str, cache: CompileCache | None,
+def make_piece_compiler(name: str, cache: CompileCache | None, counters: CompileCounters,
                         config_patches: dict[str, Any] | None = None,
                         on_error: str = "eager") -> PieceCompiler:
     if name == "eager":
         return EagerPieceCompiler()
-    return InductorPieceCompiler(cache, config_patches, on_error)
+    return InductorPieceCompiler(cache, counters, config_patches, on_error)

@@ -9,7 +9,7 @@ import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from kvgraph.compilation.counters import compile_counters
+from kvgraph.compilation.counters import CompileCounters
 
 
 def token_symbols(example_values: Sequence[Any]) -> set[sympy.Symbol]:
@@ -74,7 +74,8 @@ class PiecewiseBackend:
         return self.general(*args)
 
 
-def build_piece(gm, example_values, compile_sizes, compiler, name: str) -> PiecewiseBackend:
+def build_piece(gm, example_values, compile_sizes, compiler, name: str,
+                counters: CompileCounters) -> PiecewiseBackend:
     """Compile `gm` once generally and once per size in `compile_sizes` (when it is dynamic)."""
     read = token_count_reader(example_values)
     general = compiler.compile(gm, example_values, f"{name}-general")
@@ -83,5 +84,5 @@ def build_piece(gm, example_values, compile_sizes, compiler, name: str) -> Piece
     if read is not None and compiler.name != "eager" and general is not gm:
         for size in compile_sizes:
             static[size] = compiler.compile(gm, static_inputs(example_values, size), f"{name}-{size}")
-    compile_counters.unique_pieces += 1
+    counters.add("unique_pieces")
     return PiecewiseBackend(general, static, read)

@@ -23,16 +23,19 @@ def mark_token_dims(*tensors: torch.Tensor) -> None:
 
 
 def own_forward(model: nn.Module) -> Callable:
-    """`model.forward`, bound to `model`, on a code object of its own.
+    """`model.forward`, bound to `model`, on a code object and globals of its own.
 
     Dynamo keeps compiled code, and counts recompiles against its limit of 8, per code object.
     Every model of one class would share both: a process's ninth runner would silently run
     uncompiled, and a dropped runner's compiled code would stay reachable. A private copy of
-    the code gives each compiled model entries of its own, freed with it.
+    the code gives each compiled model entries of its own, freed with it. Dynamo also installs
+    each compiled graph (`__compiled_fn_*`) in the traced function's globals; in the module's
+    they would outlive the model, so the copy gets a copy of them, freed with it too (the
+    forward then sees the module's globals as they were when it was compiled).
     """
     function = type(model).forward
-    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                             function.__defaults__, function.__closure__)
+    own = types.FunctionType(function.__code__.replace(), dict(function.__globals__),
+                             function.__name__, function.__defaults__, function.__closure__)
     own.__kwdefaults__ = function.__kwdefaults__
     own.__qualname__ = function.__qualname__
     return types.MethodType(own, model)

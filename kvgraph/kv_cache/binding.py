@@ -9,7 +9,7 @@ from torch import nn
 
 from kvgraph.devices import same_device
 from kvgraph.errors import KVCacheError
-from kvgraph.kv_cache.spec import AttentionLayerBase, KVCache
+from kvgraph.kv_cache.spec import KVCache, KVCacheLayer
 
 
 def layer_index(layer_name: str) -> int:
@@ -66,10 +66,10 @@ def bind_kv_cache(
     return bound
 
 
-def _cache_layers(layers: Mapping[str, nn.Module]) -> dict[str, AttentionLayerBase]:
+def _cache_layers(layers: Mapping[str, nn.Module]) -> dict[str, KVCacheLayer]:
     cache_layers = {}
     for name, layer in layers.items():
-        if not isinstance(layer, AttentionLayerBase):
+        if not isinstance(layer, KVCacheLayer):
             continue
         if layer.layer_name != name:
             raise KVCacheError(
@@ -81,7 +81,7 @@ def _cache_layers(layers: Mapping[str, nn.Module]) -> dict[str, AttentionLayerBa
     return cache_layers
 
 
-def _sharing(cache_layers: Mapping[str, AttentionLayerBase], given: Mapping[str, str]
+def _sharing(cache_layers: Mapping[str, KVCacheLayer], given: Mapping[str, str]
              ) -> dict[str, str]:
     """Who shares whose cache: what the layers declared at construction, plus `given`."""
     sharing = {name: layer.kv_sharing_target_layer_name for name, layer in cache_layers.items()
@@ -96,7 +96,7 @@ def _sharing(cache_layers: Mapping[str, AttentionLayerBase], given: Mapping[str,
     return sharing
 
 
-def _model_order(cache_layers: Mapping[str, AttentionLayerBase]) -> dict[str, tuple[int, int]]:
+def _model_order(cache_layers: Mapping[str, KVCacheLayer]) -> dict[str, tuple[int, int]]:
     """A sort key per layer: layer index when every name has one, then position in the dict."""
     try:
         return {name: (layer_index(name), i) for i, name in enumerate(cache_layers)}
@@ -105,7 +105,7 @@ def _model_order(cache_layers: Mapping[str, AttentionLayerBase]) -> dict[str, tu
 
 
 def _resolve_sharing(
-    cache_layers: Mapping[str, AttentionLayerBase], shared: dict[str, str]
+    cache_layers: Mapping[str, KVCacheLayer], shared: dict[str, str]
 ) -> dict[str, str]:
     """Map each sharing layer to the layer that owns the tuple it reuses, checking the chain."""
     for name, target in shared.items():
@@ -179,7 +179,7 @@ def _check_no_cache_bound_twice(bound: Mapping[str, KVCache]) -> None:
 
 def _checked_cache(
     name: str,
-    layer: AttentionLayerBase,
+    layer: KVCacheLayer,
     cache: Sequence[torch.Tensor],
     device: torch.device | None,
     dtype: torch.dtype | None,

@@ -1,13 +1,12 @@
-"""KV cache specs, allocation, and binding each layer's cache tuple to its attention layer."""
+"""KV cache specs and allocation: the shape of each layer's cache tuple, and the tensors."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Protocol, runtime_checkable
 
 import torch
-from torch import nn
 
 from kvgraph.errors import KVCacheError
 
@@ -90,57 +89,18 @@ class MLASpec(KVCacheSpec):
         return ("kv_c_cache", "k_pe_cache")
 
 
-class AttentionLayerBase(nn.Module):
-    """A module that owns one layer's KV cache tuple, bound by `bind_kv_cache`."""
+@runtime_checkable
+class KVCacheLayer(Protocol):
+    """What binding needs of an attention layer (kvgraph.attention.layer_base implements it)."""
 
     layer_name: str
     kv_cache: KVCache
-    # The layer whose cache this one reads without writing (vLLM's KV sharing), or None.
-    kv_sharing_target_layer_name: str | None = None
+    kv_sharing_target_layer_name: str | None
 
-    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec | None:
-        """The spec of this layer's cache, or None when the layer keeps no cache."""
-        raise NotImplementedError
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec | None: ...
 
     @property
-    def needs_kv_cache(self) -> bool:
-        return self.kv_cache_spec(1, torch.float32) is not None
-
-
-def attention_layers(model: nn.Module) -> dict[str, AttentionLayerBase]:
-    """Every kvgraph attention layer of `model`, by layer name, in module order."""
-    layers: dict[str, AttentionLayerBase] = {}
-    for module_path, module in model.named_modules():
-        if isinstance(module, AttentionLayerBase):
-            if module.layer_name in layers:
-                raise KVCacheError(
-                    f"two attention layers share the layer_name {module.layer_name!r} (the second "
-                    f"at {module_path!r}); every layer needs its own name"
-                )
-            layers[module.layer_name] = module
-    return layers
-
-
-def kv_cache_specs(
-    model: nn.Module,
-    block_size: int,
-    dtype: torch.dtype,
-    shared_kv_cache_layers: Mapping[str, str] | None = None,
-) -> dict[str, KVCacheSpec]:
-    """One spec per attention layer that keeps its own cache, by layer name.
-
-    Layers that keep no cache (encoder-only) and layers that reuse another layer's cache (built
-    with `kv_sharing_target_layer_name` or named in `shared_kv_cache_layers`) get no spec, so
-    nothing is allocated for them.
-    """
-    shared = shared_kv_cache_layers or {}
-    specs = {}
-    for name, layer in attention_layers(model).items():
-        spec = layer.kv_cache_spec(block_size, dtype)
-        sharing = name in shared or layer.kv_sharing_target_layer_name is not None
-        if spec is not None and not sharing:
-            specs[name] = spec
-    return specs
+    def needs_kv_cache(self) -> bool: ...
 
 
 def allocate_kv_caches(

@@ -1,4 +1,5 @@
-"""Planning each step: its host batch, its graph (capture sizes, padding, descriptor), its shape."""
+"""Dispatch: which graphs each step runs on (capture sizes, padding, descriptor), and which graph
+mode a backend can serve."""
 
 from __future__ import annotations
 
@@ -6,14 +7,12 @@ import bisect
 import collections
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable
 
 from kvgraph.attention.backends.base import GraphSupport
-from kvgraph.attention.batch import HostBatch, check_distinct_blocks, host_batch
-from kvgraph.attention.metadata import RequestChunk
+from kvgraph.attention.batch import HostBatch
 from kvgraph.config import GraphMode
 from kvgraph.forward_context import BatchDescriptor
-from kvgraph.runtime.step import StepLimits, StepPlan
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +39,8 @@ def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str,
             "kvgraph: graph mode %r downgraded to %r: attention backend %r captures attention "
             "only for %s batches%s", mode.value, resolved.value, backend,
             "uniform-decode" if support is GraphSupport.UNIFORM_DECODE else "no",
-            "" if resolved.has_full_graphs or resolved.has_piecewise_graphs
-            else ", and with no splitting_ops there are no pieces: nothing will be captured",
+            "" if resolved.has_graphs else ", and with no splitting_ops there are no pieces: "
+            "nothing will be captured",
         )
     return resolved
 
@@ -57,28 +56,21 @@ class DispatchStats:
 
 
 class Dispatcher:
-    """Plans each step for one resolved graph mode: `(runtime_mode, BatchDescriptor)` and shape.
+    """Chooses how each step runs for one resolved graph mode: `(runtime_mode, BatchDescriptor)`.
 
     Full-graph keys for uniform decode carry `num_reqs` (attention metadata shapes depend on
     it) and exist only up to `max_num_seqs`; piecewise keys carry only `num_tokens`. A key is
-    dispatched to its graphs only once it is in `captured`; before, its batches run without.
-
-    `freezes_shapes`: whether a full graph freezes the host ints attention's shapes depend on.
-    A device graph does, so its steps are planned with the largest values (`max_model_len`
-    keys per request for the portable backend); a CPU graph reruns Python on replay, so its
-    steps keep their own lengths. `vocab_size`, when known, bounds the token ids.
+    dispatched to graphs only when `has_graphs(mode, descriptor)` (the runner's GraphSet, the
+    one record of what was captured) says they exist; otherwise its batches run without.
     """
 
-    def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], limits: StepLimits,
-                 freezes_shapes: bool = True, vocab_size: int | None = None):
+    def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], max_num_seqs: int,
+                 has_graphs: Callable[[GraphMode, BatchDescriptor], bool]):
         self.graph_mode = graph_mode
-        self.limits = limits
-        self.freezes_shapes = freezes_shapes
-        self.vocab_size = vocab_size
+        self.has_graphs = has_graphs
         self.capture_sizes = tuple(sorted(capture_sizes))
-        self.decode_sizes = tuple(s for s in self.capture_sizes if s <= limits.max_num_seqs)
+        self.decode_sizes = tuple(s for s in self.capture_sizes if s <= max_num_seqs)
         self.stats = DispatchStats()
-        self.captured: set[tuple[GraphMode, BatchDescriptor]] = set()
         self._warned_fallback = self._warned_uncaptured = False
 
     @staticmethod
@@ -86,36 +78,16 @@ class Dispatcher:
         i = bisect.bisect_left(sizes, n)
         return sizes[i] if i < len(sizes) else None
 
-    def plan(self, chunks: Sequence[RequestChunk]) -> StepPlan:
-        """Validate, lay out and dispatch one step; a BatchError names any limit it exceeds."""
-        batch = host_batch(chunks, self.limits.block_size, self.vocab_size)
-        check_distinct_blocks(batch)
-        self.limits.check(batch)
-        mode, descriptor = self.dispatch(batch.num_tokens, batch.num_reqs, batch.uniform_decode)
-        return self.plan_for(batch, mode, descriptor)
-
-    def plan_for(self, batch: HostBatch, mode: GraphMode, descriptor: BatchDescriptor,
-                 writes_cache: bool = True) -> StepPlan:
-        """The plan of `batch` run as `descriptor` in `mode` (capture chooses its own)."""
-        if mode is GraphMode.FULL and descriptor.uniform_decode and not self.freezes_shapes:
-            shape = (descriptor.num_reqs, 1, batch.max_seq_len)
-        elif mode is not GraphMode.FULL or not self.freezes_shapes:
-            shape = (batch.num_reqs, batch.max_query_len, batch.max_seq_len)
-        elif descriptor.uniform_decode:  # a device graph freezes attention's shapes: the largest
-            shape = (descriptor.num_reqs, 1, self.limits.max_model_len)
-        else:
-            shape = (self.limits.max_num_seqs, descriptor.num_tokens, self.limits.max_model_len)
-        return StepPlan(batch, mode, descriptor, *shape, writes_cache=writes_cache)
-
-    def dispatch(self, num_tokens: int, num_reqs: int, uniform_decode: bool
-                 ) -> tuple[GraphMode, BatchDescriptor]:
-        mode, descriptor = self._choose(num_tokens, num_reqs, uniform_decode)
-        if mode is GraphMode.FULL and (mode, descriptor) not in self.captured:
+    def dispatch(self, batch: HostBatch) -> tuple[GraphMode, BatchDescriptor]:
+        """The runtime mode and descriptor of `batch`, counted in `stats`."""
+        num_tokens = batch.num_tokens
+        mode, descriptor = self._choose(num_tokens, batch.num_reqs, batch.uniform_decode)
+        if mode is GraphMode.FULL and not self.has_graphs(mode, descriptor):
             # A full graph that failed to capture: the same size's piecewise graphs may exist.
-            piecewise = (GraphMode.PIECEWISE, BatchDescriptor(descriptor.num_tokens))
-            if piecewise in self.captured:
-                mode, descriptor = piecewise
-        if mode is not GraphMode.NONE and (mode, descriptor) not in self.captured:
+            piecewise = BatchDescriptor(descriptor.num_tokens)
+            if self.has_graphs(GraphMode.PIECEWISE, piecewise):
+                mode, descriptor = GraphMode.PIECEWISE, piecewise
+        if mode is not GraphMode.NONE and not self.has_graphs(mode, descriptor):
             self.stats.uncaptured += 1
             if not self._warned_uncaptured:
                 self._warned_uncaptured = True
@@ -129,7 +101,7 @@ class Dispatcher:
 
     def _choose(self, num_tokens: int, num_reqs: int, uniform_decode: bool
                 ) -> tuple[GraphMode, BatchDescriptor]:
-        if self.graph_mode in (GraphMode.EAGER, GraphMode.NONE):
+        if not self.graph_mode.has_graphs:
             return GraphMode.NONE, BatchDescriptor(num_tokens)
         if self.graph_mode.has_full_graphs and uniform_decode:
             padded = self._padded(self.decode_sizes, num_tokens)

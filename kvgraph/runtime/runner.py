@@ -1,11 +1,15 @@
-"""ModelRunner: caches, persistent inputs, dispatch and capture around one model.
+"""ModelRunner: caches, persistent inputs, compile, capture and dispatch around one model.
 
     runner = kvgraph.ModelRunner(model, config, num_blocks=..., block_size=..., ...)
-    runner.capture()                   # every graph the config asks for, largest first
+    runner.capture()                   # compiles first, then every graph, largest first
     logits = runner.execute(chunks)    # [num_reqs, vocab]: each chunk's last-token logits
 
-The runner owns its graphs and their memory pool (a GraphSet): dropping it, or `close()`,
-frees them.
+A step: `prepare_step` validates the batch, dispatches it (asking the GraphSet what was
+captured), plans it (the attention backend's rule for what a device graph freezes), writes its
+inputs into the persistent buffers and makes the attention backend's plan of it; then the
+forward runs, replayed through the GraphSet (which calls the backend's replay hook first) or
+without graphs. The runner owns its graphs and their memory pool: `close()`, or dropping it,
+frees them, with its caches and compiled code.
 """
 
 from __future__ import annotations
@@ -18,19 +22,23 @@ import torch
 from torch import nn
 
 from kvgraph.attention.backends import get_attention_backend
-from kvgraph.attention.batch import host_batch
+from kvgraph.attention.batch import HostBatch, check_distinct_blocks, host_batch
+from kvgraph.attention.layer_base import attention_layers, kv_cache_specs
 from kvgraph.attention.metadata import RequestChunk
-from kvgraph.compilation.counters import compile_counters
-from kvgraph.compilation.trace import compile_model
-from kvgraph.config import CompilationConfig, GraphMode
+from kvgraph.compilation.counters import CompileCounters
+from kvgraph.compilation.trace import CompiledModel, compile_model
+from kvgraph.config import DEFAULT_MAX_NUM_TOKENS, CompilationConfig, GraphMode
 from kvgraph.devices import canonical_device
+from kvgraph.errors import CompileError, ConfigError, RunnerError
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
-from kvgraph.kv_cache.spec import allocate_kv_caches, attention_layers, kv_cache_specs
+from kvgraph.kv_cache.spec import allocate_kv_caches
+from kvgraph.runtime import model_claim
 from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.runtime.graphs import GraphSet, graph_key
+from kvgraph.runtime.input_buffers import InputBuffers
 from kvgraph.runtime.platforms import get_platform
-from kvgraph.runtime.step import InputBuffers, StepLimits, StepPlan
+from kvgraph.runtime.step import Step, StepLimits, plan_step
 
 logger = logging.getLogger(__name__)
 
@@ -40,130 +48,238 @@ class ModelRunner:
 
     It allocates and binds the model's KV caches (`num_blocks` blocks of `block_size` tokens,
     in `dtype`, default the model's), keeps persistent inputs for up to `max_num_tokens` tokens
-    and `max_num_seqs` requests, compiles the model unless the mode is `eager`, and captures
-    graphs keyed by `BatchDescriptor`. `max_model_len` (default: every block, `num_blocks *
-    block_size`) bounds one sequence; a full decode device graph of the portable attention
-    backend reads that many key rows per request, so set it to the longest sequence served.
-    Token ids are checked against `vocab_size` (default: the model's `config.vocab_size`, or
-    its first embedding's size).
+    (default: the config's) and `max_num_seqs` requests, compiles the model unless the mode is
+    `eager`, and captures graphs keyed by `BatchDescriptor`. `max_model_len` (default: every
+    block) bounds one sequence; a full decode device graph of the portable attention backend
+    reads that many key rows per request, so set it to the longest sequence served. Token ids
+    are checked against `vocab_size` (default: the model's `config.vocab_size`, or its first
+    embedding's size).
+
+    One model, one runner: building a runner on a model another live runner holds is a
+    RunnerError; `close()` that runner first (or build a new model).
+    Public: `config`, `device`, `model`, `kv_caches`, `attn_backend` (its name), `limits`,
+    `vocab_size`, and `hidden_states` (the last step's padded output, for debugging: valid
+    until the next step).
     """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None, *,
-                 num_blocks: int, block_size: int, max_num_tokens: int, max_num_seqs: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 max_model_len: int | None = None, attn_backend: str | None = None,
-                 vocab_size: int | None = None):
-        self.platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
+                 num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_num_tokens: int | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, max_model_len: int | None = None,
+                 attn_backend: str | None = None, vocab_size: int | None = None):
+        self._platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
         self.device = canonical_device(device)
-        self.attn_backend = attn_backend or self.platform.attention_backend
-        backend = get_attention_backend(self.attn_backend, self.device)
-        config = (config or CompilationConfig()).replace(max_num_tokens=max_num_tokens)
+        self.attn_backend = attn_backend or self._platform.attention_backend
+        self._backend = get_attention_backend(self.attn_backend, self.device)
+        config = _with_max_num_tokens(config or CompilationConfig(), max_num_tokens)
         self.config = config.replace(graph_mode=resolve_graph_mode(
-            config.graph_mode, backend.graph_support, backend.name, bool(config.splitting_ops)))
+            config.graph_mode, self._backend.graph_support, self._backend.name,
+            bool(config.splitting_ops)))
+        self.limits = StepLimits(self.config.max_num_tokens, max_num_seqs,
+                                 max_model_len or num_blocks * block_size, num_blocks, block_size)
+        self.vocab_size = vocab_size or _vocab_size(model)
         self.model = model
-        dtype = dtype or next(model.parameters()).dtype
-        specs = kv_cache_specs(model, block_size, dtype)
-        self.kv_caches = allocate_kv_caches(specs, num_blocks, self.device)
-        bind_kv_cache(attention_layers(model), self.kv_caches, device=self.device, dtype=dtype)
-        self.max_model_len = max_model_len or num_blocks * block_size
-        limits = StepLimits(max_num_tokens, max_num_seqs, self.max_model_len, num_blocks,
-                            block_size)
-        self.buffers = InputBuffers(limits, self.device)
-        self.dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list, limits,
-                                     self.platform.freezes_shapes, vocab_size or _vocab_size(model))
-        eager = self.config.graph_mode is GraphMode.EAGER
-        self.forward = model if eager else compile_model(model, self.config)
-        self.graphs = GraphSet(self.platform, self.config.check_graph_inputs)
-        self.hidden_states: torch.Tensor | None = None  # last step's padded output (debugging)
+        self.kv_caches = self._bind_caches(model, dtype or next(model.parameters()).dtype)
+        self._buffers = InputBuffers(self.limits, self.device)
+        self._graphs = GraphSet(self._platform, self._backend, self.config.check_graph_inputs)
+        # A device graph freezes the host ints attention's shapes depend on; a CPU graph does not.
+        self._freezes_shapes = self._platform.freezes_shapes
+        self._dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list,
+                                      max_num_seqs, self._graphs.has)
+        compiles = self.config.graph_mode.compiles
+        self._forward = compile_model(model, self.config) if compiles else model
+        self._compiled = not compiles
+        self.hidden_states: torch.Tensor | None = None
+
+    def _bind_caches(self, model: nn.Module, dtype: torch.dtype) -> dict:
+        layers = attention_layers(model)
+        specs = kv_cache_specs(model, self.limits.block_size, dtype)
+        caches = allocate_kv_caches(specs, self.limits.num_blocks, self.device)
+        self._claim = model_claim.claim(layers, self)  # before binding: never clobber another's
+        try:
+            bind_kv_cache(layers, caches, device=self.device, dtype=dtype)
+        except BaseException:
+            model_claim.release(layers.values(), self._claim)
+            raise
+        return caches
+
+    # --- the phases: compile, capture, execute ----------------------------------------------
+
+    def compile(self) -> dict[str, Any]:
+        """Trace the model and build every piece for every compile size; the compile counts.
+
+        Runs outside any capture (garbage collection on, the allocator untouched); `capture()`
+        and the first `execute()` run it when it has not run. A compile that fails raises a
+        CompileError here (`on_compile_error="raise"`, a compile cache kvgraph may not trust),
+        before any graph is captured or step run.
+        """
+        self._ensure_compiled()
+        return self._compile_counters().snapshot()
+
+    def _ensure_compiled(self) -> None:
+        self._check_open()
+        if self._compiled:
+            return
+        step = self._prepare(self._dummy_batch(1), GraphMode.NONE, BatchDescriptor(1),
+                             writes_cache=False)
+        try:
+            self._run(step)  # the first call traces; the backend builds every piece and size
+        except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
+            raise CompileError(f"compiling the model failed: {_root_cause(error)}") from error
+        self._compiled = True
+
+    def capture(self) -> dict[str, Any]:
+        """Compile if not yet done, then capture every graph the mode asks for, largest first.
+
+        Returns a summary: the graphs this call captured and its seconds; `bytes` and
+        `bytes_by_descriptor` are what all of this runner's graphs added to its pool. A
+        descriptor whose capture fails is listed in `failed` and logged; its batches run on the
+        same size's piecewise graphs if there are any, else without graphs.
+        """
+        from tqdm import tqdm
+
+        self._ensure_compiled()
+        keys = [key for key in self._dispatcher.descriptors_to_capture()
+                if not self._graphs.has(*key)]
+        before = self._graphs.snapshot()["captures"]
+        start = time.perf_counter()
+        failed = []
+        with self._graphs.capture_phase():
+            for mode, descriptor in tqdm(keys, desc="kvgraph capture", disable=not keys,
+                                         leave=False):
+                if not self._capture_or_warn(mode, descriptor):
+                    failed.append(graph_key(mode, descriptor))
+        held = self._graphs.snapshot()
+        summary = {"graphs": held["captures"] - before, "seconds": time.perf_counter() - start,
+                   "bytes": held["graph_bytes"], "bytes_by_descriptor": held["bytes_by_descriptor"],
+                   "failed": failed}
+        logger.info("kvgraph: captured %d graphs in %.2f s; this runner's graphs hold %.1f MiB",
+                    summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
+        return summary
 
     def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:
         """Run one step; the logits of each chunk's last token, `[len(chunks), vocab]`.
 
         The logits are a fresh tensor: the next step's replay does not overwrite them.
         """
-        plan = self.dispatcher.plan(chunks)
-        hidden = self._run(plan)
-        return self.model.compute_logits(hidden[self.buffers.logits_indices[:plan.batch.num_reqs]])
+        self._ensure_compiled()
+        step = self.prepare_step(chunks)
+        hidden = self._run(step)
+        return self.model.compute_logits(hidden[step.logits_indices])
 
-    def _run(self, plan: StepPlan) -> torch.Tensor:
-        input_ids, positions, metadata = self.buffers.fill(plan)
-        with torch.no_grad(), set_forward_context(metadata, plan.descriptor, self.attn_backend,
-                                                  plan.runtime_mode, self.graphs):
-            self.hidden_states = self.forward(input_ids, positions)
-        return self.hidden_states
+    def prepare_step(self, chunks: Sequence[RequestChunk]) -> Step:
+        """Validate, dispatch (counted in `stats()`), plan and fill one step without running it.
 
-    def capture(self) -> dict[str, Any]:
-        """Capture every graph the mode asks for, largest first; returns a summary.
-
-        The summary counts the graphs this call captured and its seconds; `bytes` and
-        `bytes_by_descriptor` are what all of this runner's graphs hold. A descriptor whose
-        capture fails is listed in `failed` and logged; its batches run on the same size's
-        piecewise graphs if there are any, else without graphs, and the other descriptors are
-        captured as usual.
+        A BatchError names any field or limit the batch breaks, before anything is written or
+        counted. The step's inputs are views of the persistent buffers: valid until the next
+        step is prepared.
         """
-        from tqdm import tqdm
+        self._check_open()
+        batch = host_batch(chunks, self.limits.block_size, self.vocab_size)
+        check_distinct_blocks(batch)
+        self.limits.check(batch)
+        return self._prepare(batch, *self._dispatcher.dispatch(batch))
 
-        keys = [key for key in self.dispatcher.descriptors_to_capture()
-                if key not in self.dispatcher.captured]
-        before = len(self.graphs.entries)
-        start = time.perf_counter()
-        failed = []
-        with self.graphs.capture_phase():
-            for mode, descriptor in tqdm(keys, desc="kvgraph capture", disable=not keys,
-                                         leave=False):
-                if self._capture_or_warn(mode, descriptor):
-                    self.dispatcher.captured.add((mode, descriptor))
-                else:
-                    failed.append(graph_key(mode, descriptor))
-        held = self.graphs.snapshot()
-        summary = {
-            "graphs": held["captures"] - before,
-            "seconds": time.perf_counter() - start,
-            "bytes": held["graph_bytes"],
-            "bytes_by_descriptor": held["bytes_by_descriptor"],
-            "failed": failed,
-        }
-        logger.info("kvgraph: captured %d graphs in %.2f s; this runner's graphs hold %.1f MiB",
-                    summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
-        return summary
+    def _prepare(self, batch: HostBatch, mode: GraphMode, descriptor: BatchDescriptor,
+                 writes_cache: bool = True) -> Step:
+        plan = plan_step(batch, mode, descriptor, self._backend, self.limits,
+                         self._freezes_shapes, writes_cache)
+        input_ids, positions, metadata = self._buffers.fill(plan)
+        metadata.plan = self._backend.plan(metadata, descriptor)
+        return Step(plan, input_ids, positions, metadata,
+                    self._buffers.logits_indices[:batch.num_reqs])
+
+    def _run(self, step: Step) -> torch.Tensor:
+        """The forward of `step`, replayed from its graphs when its runtime mode has them."""
+        mode, descriptor = step.plan.runtime_mode, step.plan.descriptor
+        with torch.no_grad(), set_forward_context(step.metadata, descriptor, self.attn_backend,
+                                                  mode, self._graphs):
+            if mode.has_graphs:
+                hidden = self._graphs.replay(mode, descriptor, step.metadata,
+                                             lambda: self._forward(step.input_ids, step.positions))
+            else:
+                hidden = self._forward(step.input_ids, step.positions)
+        self.hidden_states = hidden
+        return hidden
 
     def _capture_or_warn(self, mode: GraphMode, descriptor: BatchDescriptor) -> bool:
         try:
             self._capture_one(mode, descriptor)
             return True
         except Exception as error:  # noqa: BLE001 - one descriptor's failure costs only its graph
-            self.graphs.discard(mode, descriptor)
             logger.warning("kvgraph: capturing %s failed (%s: %s); its batches will run without "
                            "graphs", graph_key(mode, descriptor), type(error).__name__, error)
             return False
 
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
-        # A dummy batch of one-token requests shaped like the descriptor's real batches; it
-        # writes nothing to the cache.
-        batch = host_batch([RequestChunk([0], 0, [0])] * (descriptor.num_reqs or 1),
-                           self.buffers.block_size)
-        if self.platform.needs_warmup:  # first runs initialise kernels that capture cannot
-            self._run(self.dispatcher.plan_for(batch, GraphMode.NONE, descriptor, False))
-        self._run(self.dispatcher.plan_for(batch, mode, descriptor, False))
+        # One-token requests shaped like the descriptor's real batches; they write nothing.
+        batch = self._dummy_batch(descriptor.num_reqs or 1)
+        if self._platform.needs_warmup:  # first runs initialise kernels that capture cannot
+            self._run(self._prepare(batch, GraphMode.NONE, descriptor, writes_cache=False))
+        step = self._prepare(batch, mode, descriptor, writes_cache=False)
+        with torch.no_grad(), set_forward_context(step.metadata, descriptor, self.attn_backend,
+                                                  mode, self._graphs):
+            self._graphs.capture(mode, descriptor, step.metadata,
+                                 lambda: self._forward(step.input_ids, step.positions))
+
+    def _dummy_batch(self, num_reqs: int) -> HostBatch:
+        return host_batch([RequestChunk([0], 0, [0])] * num_reqs, self.limits.block_size)
+
+    # --- state ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """This runner's dispatch counts and graphs (memory included); process-wide compile
-        counters."""
-        dispatch = self.dispatcher.stats
+        """This runner's counts: dispatch, graphs (memory included) and its model's compile."""
+        dispatch = self._dispatcher.stats
         return {
             "graph_mode": self.config.graph_mode.value,
             "hits": {f"{mode}:{d}": n for (mode, d), n in dispatch.hits.items()},
             "padded_tokens": dispatch.padded_tokens,
             "fallbacks": dispatch.fallbacks,
             "uncaptured": dispatch.uncaptured,
-            "graphs": self.graphs.snapshot(),
-            "compile": compile_counters.snapshot(),
+            "graphs": self._graphs.snapshot(),
+            "compile": self._compile_counters().snapshot(),
         }
 
+    def _compile_counters(self) -> CompileCounters:
+        if isinstance(self._forward, CompiledModel):
+            return self._forward.backend.counters
+        return CompileCounters()  # eager, or closed
+
     def close(self) -> None:
-        """Free this runner's graphs and their pool now; later steps run without graphs."""
-        self.graphs.release()
-        self.dispatcher.captured.clear()
+        """Free this runner's graphs, pool, compiled code and caches, and let go of the model
+        (another runner may then be built on it); the runner cannot run afterwards."""
+        if self._forward is None:
+            return
+        self._graphs.release()
+        self._forward = self.hidden_states = None
+        model_claim.release(attention_layers(self.model).values(), self._claim)
+        self.kv_caches = {}
+
+    def _check_open(self) -> None:
+        if self._forward is None:
+            raise RunnerError("this ModelRunner was closed; build a new one to run the model")
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error Dynamo wrapped (a backend's own error), as `Type: message`."""
+    while True:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if inner is None or inner is error:
+            break
+        error = inner
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+
+
+def _with_max_num_tokens(config: CompilationConfig, max_num_tokens: int | None
+                         ) -> CompilationConfig:
+    """`config` with the runner's token budget: the argument, else the config's, else the
+    default; given both ways, they must agree."""
+    if max_num_tokens is not None and config.max_num_tokens not in (None, max_num_tokens):
+        raise ConfigError("max_num_tokens", f"max_num_tokens: the runner was given "
+                          f"{max_num_tokens!r} but its config says {config.max_num_tokens!r}; "
+                          "set it in one place (or make them equal)")
+    chosen = max_num_tokens if max_num_tokens is not None else config.max_num_tokens
+    return config.replace(max_num_tokens=DEFAULT_MAX_NUM_TOKENS if chosen is None else chosen)
 
 
 def _vocab_size(model: nn.Module) -> int | None:

@@ -10,7 +10,12 @@ import importlib
 
 import torch
 
-from kvgraph.attention.backends.base import AttentionBackend, GraphSupport
+from kvgraph.attention.backends.base import (
+    AttentionBackend,
+    AttentionPlan,
+    GraphSupport,
+    StepLengths,
+)
 
 DEFAULT_BACKEND = "torch_native"
 # name -> "module:class", imported on first use; register_attention_backend adds classes.
@@ -21,8 +26,8 @@ _BACKENDS: dict[str, str | type] = {
 _instances: dict[str, AttentionBackend] = {}
 
 
-def register_attention_backend(backend_class: type) -> None:
-    """Make `backend_class` selectable by its `name` (device kernels, tests)."""
+def register_attention_backend(backend_class: type[AttentionBackend]) -> None:
+    """Make `backend_class` (an AttentionBackend subclass) selectable by its `name`."""
     _BACKENDS[backend_class.name] = backend_class
     _instances.pop(backend_class.name, None)
 
@@ -52,6 +57,8 @@ def get_attention_backend(name: str | None, device: torch.device) -> AttentionBa
 
 __all__ = [
     "AttentionBackend",
+    "AttentionPlan",
+    "StepLengths",
     "DEFAULT_BACKEND",
     "GraphSupport",
     "get_attention_backend",

@@ -1,13 +1,29 @@
-"""The interface every attention backend implements; the ops call nothing else."""
+"""The interface every attention backend implements: its step, its graph hooks, its kernels.
+
+A step, as the runner drives it:
+  1. a step replayed from a device's full graph carries `frozen_lengths`: the host ints the
+     backend's captured kernels froze (the CPU graph reruns Python, so it keeps the batch's own);
+  2. `plan(metadata, descriptor)` runs once, after the persistent inputs are filled; the result
+     is `metadata.plan`, which every layer's op call reads (`step_plan`) instead of recomputing
+     launch parameters or token layouts per layer;
+  3. the graph owner (`kvgraph.runtime.graphs.GraphSet`) calls `before_capture` and
+     `after_capture` around the capture of a descriptor, and `before_replay` before each step
+     it replays; a backend whose kernels take host-side lengths (Ascend's fused attention)
+     rewrites them in its captured kernels there;
+  4. `forward`, `forward_mla` or `forward_encoder` once per layer.
+The ops call nothing else.
+"""
 
 from __future__ import annotations
 
 import enum
-from typing import Protocol
+from typing import NamedTuple
 
 import torch
 
 from kvgraph.attention.metadata import AttentionMetadata
+from kvgraph.config import GraphMode
+from kvgraph.forward_context import BatchDescriptor
 
 
 class GraphSupport(enum.Enum):
@@ -18,17 +34,80 @@ class GraphSupport(enum.Enum):
     NEVER = "never"
 
 
-class AttentionBackend(Protocol):
-    """Kernels behind kvgraph's attention ops for one kind of device.
+class StepLengths(NamedTuple):
+    """The host ints attention's shapes depend on: the longest query and sequence of a step."""
 
-    Every method writes its result into `out` (and, with a cache and `write_kv`, the new
-    keys/values into the cache at `metadata.slot_mapping`, skipping padding slots) and returns
-    nothing. Attention over a cache reads every key from the cache, this step's included.
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionPlan:
+    """One step's plan for one backend, made once and read by every layer's op call."""
+
+    def __init__(self, backend: AttentionBackend, metadata: AttentionMetadata,
+                 descriptor: BatchDescriptor | None):
+        self.backend = backend
+        self.metadata = metadata
+        self.descriptor = descriptor
+
+
+class AttentionBackend:
+    """Kernels behind kvgraph's attention ops for one kind of device (see the module docstring).
+
+    Every forward method writes its result into `out` (and, with a cache and `write_kv`, the
+    new keys/values into the cache at `metadata.slot_mapping`, skipping padding slots) and
+    returns nothing. Attention over a cache reads every key from the cache, this step's
+    included. Subclasses set `name`, `graph_support`, `device_types` (None: any device) and
+    `plan_class`, and implement the forward methods; the hooks do nothing unless overridden.
     """
 
     name: str
     graph_support: GraphSupport
-    device_types: tuple[str, ...] | None  # the device types it runs on; None: any
+    device_types: tuple[str, ...] | None = None
+    plan_class: type[AttentionPlan] = AttentionPlan
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def frozen_lengths(self, descriptor: BatchDescriptor, batch: StepLengths,
+                       max_model_len: int) -> StepLengths:
+        """What a step replayed from a device's full graph of `descriptor` carries.
+
+        A device graph replays the kernels as captured, so every host int they read is frozen at
+        capture: the default freezes both at the largest a replay can meet (a uniform-decode
+        query is one token; a mixed one at most the descriptor's tokens).
+        """
+        longest_query = 1 if descriptor.uniform_decode else descriptor.num_tokens
+        return StepLengths(longest_query, max_model_len)
+
+    def plan(self, metadata: AttentionMetadata, descriptor: BatchDescriptor | None
+             ) -> AttentionPlan:
+        """This step's plan (see `plan_class`); `descriptor` is None outside a runner."""
+        return self.plan_class(self, metadata, descriptor)
+
+    def step_plan(self, metadata: AttentionMetadata) -> AttentionPlan:
+        """The plan the runner made for this step, or one made now and kept on `metadata` (for
+        metadata built by hand, whose first op call plans the step for the others). A plan
+        copied along with its metadata (`dataclasses.replace`) is another step's: made anew."""
+        plan = metadata.plan
+        if plan is None or plan.backend is not self or plan.metadata is not metadata:
+            plan = metadata.plan = self.plan(metadata, None)
+        return plan
+
+    # --- graph hooks, called by the graph owner ---------------------------------------------
+
+    def before_capture(self, mode: GraphMode, descriptor: BatchDescriptor,
+                       metadata: AttentionMetadata) -> None:
+        """Before the forward that captures `descriptor`'s graphs in runtime `mode`."""
+
+    def after_capture(self, mode: GraphMode, descriptor: BatchDescriptor,
+                      metadata: AttentionMetadata) -> None:
+        """After every graph of `descriptor` was captured (not called when capture failed)."""
+
+    def before_replay(self, mode: GraphMode, descriptor: BatchDescriptor,
+                      metadata: AttentionMetadata) -> None:
+        """Before a step replays `descriptor`'s graphs, with that step's metadata."""
+
+    # --- kernels ----------------------------------------------------------------------------
 
     def forward(
         self,
@@ -40,8 +119,9 @@ class AttentionBackend(Protocol):
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
-        write_kv: bool,  # False: the layer reads another layer's cache, writes nothing
-    ) -> None: ...
+        write_kv: bool = True,  # False: the layer reads another layer's cache, writes nothing
+    ) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} has no standard attention")
 
     def forward_mla(
         self,
@@ -53,8 +133,9 @@ class AttentionBackend(Protocol):
         out: torch.Tensor,  # [T, num_heads, kv_lora_rank]
         metadata: AttentionMetadata,
         scale: float,
-        write_kv: bool,
-    ) -> None: ...
+        write_kv: bool = True,
+    ) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} has no MLA")
 
     def forward_encoder(
         self,
@@ -64,5 +145,7 @@ class AttentionBackend(Protocol):
         out: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
-        sliding_window: int | None,  # bidirectional: |i - j| < sliding_window
-    ) -> None: ...
+        sliding_window: int | None = None,  # bidirectional: |i - j| < sliding_window
+    ) -> None:
+        raise NotImplementedError(f"attention backend {self.name!r} has no encoder attention")
+

@@ -4,17 +4,19 @@ It handles any mix of prefill, chunked prefill and decode in one batch, and make
 synchronisation: every shape comes from tensor shapes and the host ints of the metadata
 (`max_query_len`, `max_seq_len`), so a uniform-decode step can be captured in a graph.
 
-Buffers: it keeps none. Per call it gathers each request's cached keys/values into a padded
-`[num_reqs, blocks_read * block_size, ...]` tensor and its queries into `[num_reqs,
-max_query_len, ...]`; memory grows with `num_reqs * max_seq_len`, which is the price of being
-portable. Device backends replace it where speed matters.
+Buffers: it keeps none. Its step plan (`TokenLayoutPlan`) maps tokens to the padded
+`[num_reqs, max_query_len]` layout once per step; per call it gathers each request's cached
+keys/values into a padded `[num_reqs, blocks_read * block_size, ...]` tensor; memory grows
+with `num_reqs * max_seq_len`, which is the price of being portable. Device backends replace it
+where speed matters. A device's full graph freezes both host ints (`frozen_lengths`: the
+largest a replay meets, so a uniform-decode graph reads `max_model_len` keys per request).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvgraph.attention.backends.base import GraphSupport
+from kvgraph.attention.backends.base import AttentionBackend, AttentionPlan, GraphSupport
 from kvgraph.attention.metadata import AttentionMetadata, cdiv
 
 
@@ -37,15 +39,7 @@ def write_to_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, values: torc
     flat.index_copy_(0, target, torch.where(keep, values, donor_value))
 
 
-def _gather_blocks(cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-    """Each request's cached rows, `[num_reqs, blocks_read * block_size, ...]`."""
-    blocks_read = min(cdiv(metadata.max_seq_len, metadata.block_size), metadata.block_table.shape[1])
-    block_ids = metadata.block_table[:, :blocks_read].long()
-    rows = cache[block_ids]  # [num_reqs, blocks_read, block_size, ...]
-    return rows.flatten(1, 2)
-
-
-class _TokenLayout:
+class TokenLayout:
     """Where each flat token sits in the padded `[num_reqs, max_query_len]` layout."""
 
     def __init__(self, num_tokens: int, metadata: AttentionMetadata, device: torch.device):
@@ -59,7 +53,6 @@ class _TokenLayout:
         self.token_col = (tokens - starts[self.token_req]).clamp(0, metadata.max_query_len - 1)
         cols = torch.arange(metadata.max_query_len, device=device)
         self.padded_tokens = (starts[:-1, None] + cols).clamp(max=num_tokens - 1)
-        self.cols = cols
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """`[T, ...]` -> `[num_reqs, max_query_len, ...]` (rows past a request's end are junk)."""
@@ -69,6 +62,39 @@ class _TokenLayout:
         """`[num_reqs, max_query_len, ...]` -> `[T, ...]`, zeros for padding tokens."""
         rows = x[self.token_req, self.token_col]
         return torch.where(self.token_valid.view(-1, *([1] * (rows.dim() - 1))), rows, 0)
+
+
+class TokenLayoutPlan(AttentionPlan):
+    """One step's token layout and key lengths, built by the step's first attention call and
+    read by every other layer's.
+
+    Built lazily on the device from the metadata's tensors, not on the host: inside a device
+    graph the first layer's call is recorded with the graph, so a replay rebuilds the layout
+    from the replayed step's metadata, and the layers after it read that one.
+    """
+
+    def __init__(self, backend, metadata, descriptor):
+        super().__init__(backend, metadata, descriptor)
+        self._layout: TokenLayout | None = None
+        self._key_lens: torch.Tensor | None = None
+        self.blocks_read = min(cdiv(metadata.max_seq_len, metadata.block_size),
+                               metadata.block_table.shape[1])
+
+    def layout(self, num_tokens: int, device: torch.device) -> TokenLayout:
+        if self._layout is None:
+            self._layout = TokenLayout(num_tokens, self.metadata, device)
+        return self._layout
+
+    @property
+    def key_lens(self) -> torch.Tensor:
+        if self._key_lens is None:
+            self._key_lens = self.metadata.seq_lens.long()
+        return self._key_lens
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """Each request's cached rows, `[num_reqs, blocks_read * block_size, ...]`."""
+        block_ids = self.metadata.block_table[:, :self.blocks_read].long()
+        return cache[block_ids].flatten(1, 2)  # [num_reqs, blocks_read, block_size, ...] first
 
 
 def attend(
@@ -115,7 +141,7 @@ def attend(
     return output.reshape(num_reqs, max_q, num_heads, -1)
 
 
-class TorchNativeBackend:
+class TorchNativeBackend(AttentionBackend):
     """The portable reference backend (see the module docstring)."""
 
     name = "torch_native"
@@ -123,6 +149,7 @@ class TorchNativeBackend:
     # Mixed batches would need metadata padded to max_num_seqs x max_num_tokens queries to keep
     # shapes fixed, which costs more than running attention outside the graph.
     graph_support = GraphSupport.UNIFORM_DECODE
+    plan_class = TokenLayoutPlan
 
     def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window,
                 write_kv=True):
@@ -130,17 +157,11 @@ class TorchNativeBackend:
         if write_kv:
             write_to_cache(key_cache, metadata.slot_mapping, key)
             write_to_cache(value_cache, metadata.slot_mapping, value)
-        layout = _TokenLayout(query.shape[0], metadata, query.device)
-        result = attend(
-            layout.pad(query),
-            _gather_blocks(key_cache, metadata),
-            _gather_blocks(value_cache, metadata),
-            metadata.seq_lens.long(),
-            layout.query_lens,
-            scale,
-            causal=True,
-            sliding_window=sliding_window,
-        )
+        plan = self.step_plan(metadata)
+        layout = plan.layout(query.shape[0], query.device)
+        result = attend(layout.pad(query), plan.gather(key_cache), plan.gather(value_cache),
+                        plan.key_lens, layout.query_lens, scale, causal=True,
+                        sliding_window=sliding_window)
         out.copy_(layout.unpad(result))
 
     def forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale,
@@ -149,31 +170,17 @@ class TorchNativeBackend:
         if write_kv:
             write_to_cache(kv_c_cache, metadata.slot_mapping, kv_c)
             write_to_cache(k_pe_cache, metadata.slot_mapping, k_pe)
-        layout = _TokenLayout(q_latent.shape[0], metadata, q_latent.device)
-        latent = _gather_blocks(kv_c_cache, metadata)  # [R, K, L]
-        keys = torch.cat([latent, _gather_blocks(k_pe_cache, metadata).to(latent.dtype)], -1)
+        plan = self.step_plan(metadata)
+        layout = plan.layout(q_latent.shape[0], q_latent.device)
+        latent = plan.gather(kv_c_cache)  # [R, K, L]
+        keys = torch.cat([latent, plan.gather(k_pe_cache).to(latent.dtype)], -1)
         query = torch.cat([q_latent, q_pe.to(q_latent.dtype)], dim=-1)
-        result = attend(
-            layout.pad(query),
-            keys[:, :, None],
-            latent[:, :, None],
-            metadata.seq_lens.long(),
-            layout.query_lens,
-            scale,
-            causal=True,
-        )
+        result = attend(layout.pad(query), keys[:, :, None], latent[:, :, None], plan.key_lens,
+                        layout.query_lens, scale, causal=True)
         out.copy_(layout.unpad(result))
 
     def forward_encoder(self, query, key, value, out, metadata, scale, sliding_window=None):
-        layout = _TokenLayout(query.shape[0], metadata, query.device)
-        result = attend(
-            layout.pad(query),
-            layout.pad(key),
-            layout.pad(value),
-            layout.query_lens,
-            layout.query_lens,
-            scale,
-            causal=False,
-            sliding_window=sliding_window,
-        )
+        layout = self.step_plan(metadata).layout(query.shape[0], query.device)
+        result = attend(layout.pad(query), layout.pad(key), layout.pad(value), layout.query_lens,
+                        layout.query_lens, scale, causal=False, sliding_window=sliding_window)
         out.copy_(layout.unpad(result))

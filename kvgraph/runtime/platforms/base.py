@@ -19,6 +19,28 @@ def tensors_in(tree: Any) -> list[torch.Tensor]:
     return []
 
 
+def map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`tree` with every tensor replaced by `fn(tensor)`, its tuples and lists kept."""
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(map_tensors(item, fn) for item in tree)
+    return tree
+
+
+def weak_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on `tensor`'s memory that does not keep it alive.
+
+    What a device graph keeps of its outputs: their memory belongs to the graph pool, which
+    every graph of the runner shares, so holding them would keep each size's apart.
+    """
+    storage = tensor.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device,
+                                                          storage.nbytes())
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
 def input_addresses(args: Sequence[Any]) -> list[int | None]:
     """The data pointer of each tensor argument (None for non-tensors)."""
     return [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
@@ -41,12 +63,18 @@ class StreamGraph:
     `pool_bytes(pool)` the bytes its allocator holds for a graph pool: what a capture adds to
     the pool is what the graph costs. Capture records kernels without running them, so its
     outputs hold no results until the first replay.
+
+    Memory is shared across sizes, as vLLM does it: the graph keeps only weak references to
+    its outputs, so once a step's forward has used them their memory returns to the pool and
+    the next (smaller) capture reuses it. A `last` graph's outputs (the forward's own) are
+    released inside the capture, since nothing captured after them reads them. Replays of one
+    pool never overlap, so sharing is safe; an output is valid until the next replay.
     """
 
     def __init__(self, graph: Any, graph_context: Callable, pool_bytes: Callable[[Any], int],
-                 check_inputs: bool, name: str):
+                 check_inputs: bool, name: str, last: bool):
         self.graph, self.graph_context, self.pool_bytes = graph, graph_context, pool_bytes
-        self.check_inputs, self.name = check_inputs, name
+        self.check_inputs, self.name, self.last = check_inputs, name, last
         self.outputs: Any = None
         self.addresses: list[int | None] = []
         self.memory_bytes = 0
@@ -55,11 +83,14 @@ class StreamGraph:
         self.addresses = input_addresses(args)
         before = self.pool_bytes(pool)
         with self.graph_context(self.graph, pool=pool):
-            self.outputs = fn(*args)
+            outputs = fn(*args)
+            if self.last:
+                outputs = map_tensors(outputs, weak_tensor)
+        self.outputs = map_tensors(outputs, weak_tensor)
         # A pool only grows while its graphs live; the clamp guards an allocator that reports
         # less than it holds.
         self.memory_bytes = max(0, self.pool_bytes(pool) - before)
-        return self.outputs
+        return outputs
 
     def replay(self, args: Sequence[Any]) -> Any:
         if self.check_inputs:
@@ -76,8 +107,8 @@ class DeviceGraph(Protocol):
     """One captured graph: `capture` records `fn(*args)`, `replay` reruns it on the same buffers.
 
     What `capture` returns is not a result (a device capture runs nothing): it is the buffers
-    that every replay overwrites. `memory_bytes` is what the graph holds once captured;
-    `reset` frees it.
+    that every replay overwrites. `memory_bytes` is what the capture added to the pool (the
+    first, largest size's captures hold what later ones reuse); `reset` frees the graph.
     """
 
     memory_bytes: int
@@ -100,7 +131,9 @@ class Platform(Protocol):
     # device graph does; the CPU graph reruns Python on replay.
     freezes_shapes: bool
 
-    def make_graph(self, check_inputs: bool) -> DeviceGraph: ...
+    def make_graph(self, check_inputs: bool, name: str = "graph", last: bool = False
+                   ) -> DeviceGraph:
+        """A graph for the wrapper called `name`; `last`: it produces the forward's outputs."""
 
     def capture_phase(self) -> ContextManager[None]:
         """Entered around a runner's whole capture phase (many captures in a row)."""
@@ -131,9 +164,10 @@ class StreamPlatform:
         self.module, self.graph_class = module, graph_class
         self.attention_backend = attention_backend
 
-    def make_graph(self, check_inputs: bool) -> StreamGraph:
+    def make_graph(self, check_inputs: bool, name: str = "graph", last: bool = False
+                   ) -> StreamGraph:
         return StreamGraph(self.graph_class(), self.module.graph, self.pool_bytes, check_inputs,
-                           f"{self.name}-graph")
+                           f"{self.name}-graph {name}", last)
 
     @contextlib.contextmanager
     def capture_phase(self) -> Iterator[None]:

@@ -1,0 +1,58 @@
+"""kvgraph's command-line flags: add_cli_args and which config field each flag sets.
+
+`CompilationConfig.from_cli_args` reads the flags back through `flag_settings`; their strings
+are parsed in kvgraph/config_sources.py and checked by the config's constructor.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvgraph.config import ON_COMPILE_ERROR, PIECE_COMPILERS, GraphMode
+
+# Flag dest -> the config field it sets; every flag defaults to None so the environment can
+# fill in.
+_CLI_FIELDS = {
+    "graph_mode": "graph_mode",
+    "max_num_tokens": "max_num_tokens",
+    "capture_sizes": "capture_sizes",
+    "compile_sizes": "compile_sizes",
+    "piece_compiler": "piece_compiler",
+    "compile_cache_dir": "cache_dir",
+    "compile_cache": "use_compile_cache",
+    "debug_dump_path": "debug_dump_path",
+    "check_guards": "check_guards",
+    "check_graph_inputs": "check_graph_inputs",
+    "on_compile_error": "on_compile_error",
+}
+
+
+def flag_settings(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """The flags that were given, as {field: (value, flag)}."""
+    return {field: (getattr(args, dest), "--" + dest.replace("_", "-"))
+            for dest, field in _CLI_FIELDS.items() if getattr(args, dest, None) is not None}
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add kvgraph's flags (graph mode, sizes, cache and dump dirs) to any server's parser."""
+    group = parser.add_argument_group("kvgraph", "graph compilation and capture")
+    group.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
+                       help="which parts of a forward run as captured graphs (default piecewise)")
+    group.add_argument("--max-num-tokens", type=int, help="largest batch, in tokens")
+    group.add_argument("--capture-sizes", help="comma-separated token counts to capture graphs for")
+    group.add_argument("--compile-sizes", help="comma-separated token counts to build statically")
+    group.add_argument("--piece-compiler", choices=PIECE_COMPILERS,
+                       help="what compiles the pieces between attention ops")
+    group.add_argument("--on-compile-error", choices=ON_COMPILE_ERROR,
+                       help="a piece inductor fails to build: run it uncompiled (eager, the "
+                            "default, with a warning) or raise")
+    group.add_argument("--compile-cache-dir", help="where compiled artifacts are kept")
+    group.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse compiled artifacts across processes (default on)")
+    group.add_argument("--debug-dump-path", help="write every compile stage under this directory")
+    group.add_argument("--check-guards", action="store_true", default=None,
+                       help="re-check Dynamo guards on every call (debugging)")
+    group.add_argument("--check-graph-inputs", action="store_true", default=None,
+                       help="check on every replay that graph inputs did not move (debugging)")
+    return parser

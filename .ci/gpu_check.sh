@@ -44,7 +44,9 @@ stage triton-kernels 120 python -m pytest tests/test_triton_backend.py -q -p no:
   --timeout 60 --junitxml "$OUT/triton-kernels.xml"
 stage attention-kernels 150 python -m examples.benchmarks.attention_kernels --device cuda \
   --dtype bfloat16 --json "$OUT/attention_kernels.json"
-# Modes in order of interest: a run cut short keeps the rows it finished (JSON per row).
+# Modes in order of interest: a run cut short keeps the rows it finished (JSON per row). Each
+# kvgraph row records its graphs' memory for the default capture sizes: graph_bytes,
+# bytes_by_descriptor and graph_bytes_vs_largest (sizes share one pool: target <= 1.5).
 stage decode-latency 330 python -m examples.benchmarks.decode_latency --device cuda \
   --preset 1b --dtype bfloat16 --batch-sizes 1 8 64 --cache-dir "$CACHE" \
   --modes eager full_and_piecewise piecewise full_decode_only --json "$OUT/decode_latency.json"

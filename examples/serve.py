@@ -26,6 +26,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvgraph import CompileError
+
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestOutput, add_engine_args, build_engine
     from .engine.metrics import ServerMetrics
@@ -198,7 +200,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine, _ = build_engine(args, MODELS)  # logs the compile and capture summary
+    try:
+        engine, _ = build_engine(args, MODELS)  # logs the compile and capture summary
+    except CompileError as error:  # before serving: a server that cannot compile never starts
+        logger.error("not serving: %s", error)
+        raise SystemExit(1) from None
     app = build_app(AsyncEngine(engine), model_name(args))
     logger.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

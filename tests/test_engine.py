@@ -221,3 +221,23 @@ def test_streamed_text_is_final_and_omits_the_stop_string():
         if stopped:
             break
     assert "".join(deltas) == "h\u00e9llo, "
+
+
+def test_the_engine_takes_its_limits_from_the_runner_and_keeps_no_copy(model):
+    engine = make_engine(model, num_blocks=30, max_num_seqs=3, budget=16)
+    limits = engine.runner.limits
+    assert (limits.num_blocks, limits.max_num_seqs, limits.max_num_tokens) == (30, 3, 16)
+    assert engine.allocator.num_blocks == limits.num_blocks
+    assert (engine.scheduler.block_size, engine.scheduler.max_num_seqs,
+            engine.scheduler.token_budget) == (limits.block_size, 3, 16)
+    context = f"context \\(max_model_len\\) is {limits.max_model_len}"
+    with pytest.raises(RequestError, match=context):
+        engine.check([1] * limits.max_model_len, GREEDY)
+
+
+def test_an_engine_over_a_runner_too_small_for_one_sequence_is_refused(model):
+    config = kvgraph.CompilationConfig(graph_mode="eager")
+    runner = kvgraph.ModelRunner(model(), config, num_blocks=8, block_size=BLOCK_SIZE,
+                                 max_num_seqs=2, max_model_len=MAX_MODEL_LEN)
+    with pytest.raises(ValueError, match="num_blocks=8 cannot hold one sequence"):
+        LLMEngine(runner, ByteTokenizer())

@@ -88,8 +88,10 @@ def test_cuda_graph_replays_into_the_buffers_it_captured():
     torch.cuda.synchronize()
     captured = graph.capture(lambda t: t * 2, (x,), platform.new_graph_pool())
     x.fill_(3.0)
-    assert graph.replay((x,)) is captured
+    replayed = graph.replay((x,))  # a weak alias of the memory `captured` still holds
+    assert replayed.data_ptr() == captured.data_ptr()
     torch.testing.assert_close(captured, torch.full((4,), 6.0, device="cuda"))
+    torch.testing.assert_close(replayed, captured)
 
 
 def test_cuda_attention_defaults_to_triton_and_the_cpu_to_torch_native():
@@ -114,3 +116,44 @@ def test_a_device_capture_phase_keeps_the_allocator_cache_and_restores_it_after(
         with cuda_platform().capture_phase():
             raise RuntimeError("capture failed")
     assert torch.cuda.empty_cache is original
+
+
+def test_a_device_graph_keeps_only_weak_references_to_its_outputs():
+    """The reference discipline that lets a runner's sizes share one pool (vLLM's): a device
+    graph's outputs stay alive only while the step's forward uses them, and a last graph's
+    (the forward's own) not even that long. Checked with StreamGraph over a stand-in for the
+    device graph API that runs the callable eagerly on the CPU."""
+    import contextlib
+    import gc
+    import weakref
+
+    from kvgraph.runtime.platforms.base import StreamGraph
+
+    class Graph:
+        def replay(self):
+            pass
+
+        def reset(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph_context(graph, pool=None):
+        yield
+
+    for last in (False, True):
+        made = []
+
+        def fn(x):
+            y = x * 2
+            made.append(weakref.ref(y))
+            return (y,)
+
+        graph = StreamGraph(Graph(), graph_context, lambda pool: 0, False, "piece", last)
+        (returned,) = graph.capture(fn, (torch.ones(4),), pool=None)
+        pointer = returned.data_ptr()
+        gc.collect()
+        assert (made[0]() is None) == last, "a last graph's outputs are released in capture"
+        del returned
+        gc.collect()
+        assert made[0]() is None, "the graph kept its output alive"
+        assert graph.replay((torch.ones(4),))[0].data_ptr() == pointer, "same memory each replay"

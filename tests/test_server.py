@@ -228,3 +228,20 @@ def test_chat_without_a_template_is_404():
         assert response.status_code == 404
         assert "chat template" in response.json()["error"]["message"]
         assert client.get("/health").json()["status"] == "ok"
+
+
+def test_a_server_whose_model_cannot_compile_does_not_start(tmp_path, caplog):
+    """A compile cache kvgraph may not trust is found when compiling, before any graph is
+    captured: the server says why and exits, rather than answering every request with 500."""
+    from examples.serve import main
+
+    (tmp_path / "inductor").mkdir()
+    (tmp_path / "inductor").chmod(0o777)  # the root dir itself is private, so flags pass
+    tmp_path.chmod(0o700)
+    with pytest.raises(SystemExit) as info:
+        main(["--preset", "tiny", "--graph-mode", "piecewise", "--piece-compiler", "inductor",
+              "--compile-cache-dir", str(tmp_path), "--max-model-len", "64",
+              "--max-num-seqs", "2", "--port", "0"])
+    assert info.value.code == 1
+    (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert error.startswith("not serving: compiling the model failed") and "chmod go-w" in error

@@ -110,10 +110,11 @@ def test_split_kv_matches_dense_reference(kind, window):
     check_caches(batch)
 
 
-@pytest.mark.parametrize("floats, used", [(100_000, True), (10, False)])
-def test_split_kv_works_in_the_runner_s_workspace_or_allocates(floats, used):
+@pytest.mark.parametrize("floats, used, splits", [(100_000, True, 16), (10, False, 2)])
+def test_split_kv_works_in_the_runner_s_workspace_or_allocates(floats, used, splits):
     """Partial results go to the metadata's workspace when it is large enough (nothing is
-    allocated per step, and graphs can hold it), else to buffers of their own."""
+    allocated per step, and graphs can hold it), else to buffers of their own. Forced splits
+    are planned once: a second layer reuses launch and buffers, and still matches."""
     import dataclasses
 
     from kvgraph.attention.backends.triton import unified_attention, write_rows
@@ -123,10 +124,14 @@ def test_split_kv_works_in_the_runner_s_workspace_or_allocates(floats, used):
     write_rows(list(batch.caches), (k, v), batch.md.slot_mapping)
     workspace = torch.full((floats,), float("nan"))
     md = dataclasses.replace(batch.md, workspace=workspace)
-    out = torch.full_like(q, float("nan"))
-    unified_attention(q, *batch.caches, out, md, batch.scale, None, num_splits=4)
-    assert_close(out, batch.ref, torch.float32)
+    for _layer in range(2):
+        out = torch.full_like(q, float("nan"))
+        unified_attention(q, *batch.caches, out, md, batch.scale, None, num_splits=splits)
+        assert_close(out, batch.ref, torch.float32)
     assert bool(torch.isfinite(workspace).any()) is used
+    (launch,) = md.plan.launches
+    assert launch.splits == splits == launch.grid[2]
+    assert (launch.partial.data_ptr() == workspace.data_ptr()) is used
 
 
 def test_split_kv_gives_padding_tokens_zeros():
@@ -173,6 +178,87 @@ def test_mla_over_head_blocks_query_blocks_splits_and_padding():
             mla_attention(q_latent, q_pe, *caches, out, md, batch.scale, num_splits=splits)
         assert_close(out[:batch.num_tokens], batch.ref, torch.float32)
         assert (out[batch.num_tokens:] == 0).all()
+
+
+def test_the_layers_of_a_step_share_one_launch_and_a_new_step_plans_again():
+    """The first layer call sizes the launch; the next layer of that geometry reuses the very
+    object (memoised), one of another geometry gets its own, and a new step's metadata (here a
+    copy, which carries the old plan in its field) is planned again."""
+    import dataclasses
+
+    from kvgraph.attention.backends.triton import unified_attention
+
+    batch = random_attention_batch("mixed", 4, "gqa", dtype=torch.float32)
+    md = batch.md
+    assert_close(run_triton(batch, md=md), batch.ref, torch.float32)  # layer 0
+    plan = md.plan
+    (launch,) = plan.launches
+    assert_close(run_triton(batch, md=md), batch.ref, torch.float32)  # layer 1
+    assert md.plan is plan and plan.launches[0] is launch and len(plan.launches) == 1
+    # A layer with half the heads (KV head 0's group, same group size): a second launch.
+    q = batch.inputs[0][:, :3]
+    out = torch.full_like(q, float("nan"))
+    unified_attention(q, *(c[:, :, :1].contiguous() for c in batch.caches), out, md,
+                      batch.scale, None)
+    assert_close(out, batch.ref[:, :3], torch.float32)
+    assert md.plan is plan and len(plan.launches) == 2 and plan.launches[0] is launch
+    next_step = dataclasses.replace(md)
+    assert_close(run_triton(batch, md=next_step), batch.ref, torch.float32)
+    assert next_step.plan is not plan and next_step.plan.launches[0] is not launch
+
+
+def test_hand_built_metadata_is_planned_by_its_first_op_call():
+    from kvgraph.attention.backends.triton.launch import LaunchPlan
+    from kvgraph.attention.backends.triton.mla import mla_attention
+
+    batch = random_mla_batch("mixed", 4, dtype=torch.float32)
+    assert batch.md.plan is None
+    q_latent, q_pe, kv_c, k_pe = batch.inputs
+    backend = get_attention_backend("triton", DEVICE)
+    out = torch.full_like(q_latent, float("nan"))
+    backend.forward_mla(q_latent, q_pe, kv_c, k_pe, list(batch.caches), out, batch.md,
+                        batch.scale)
+    assert_close(out, batch.ref, torch.float32)
+    plan = batch.md.plan
+    assert isinstance(plan, LaunchPlan) and plan.backend is backend and plan.descriptor is None
+    out = torch.full_like(q_latent, float("nan"))
+    mla_attention(q_latent, q_pe, *batch.caches, out, batch.md, batch.scale)  # no plan given
+    assert_close(out, batch.ref, torch.float32)
+    assert batch.md.plan is plan and len(plan.launches) == 1
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_a_full_graph_freezes_the_query_length_and_keeps_the_sequence_length(kind):
+    """Only `max_query_len` is read on the host (it sizes query blocks): frozen at the most a
+    replay meets. Sequence lengths are read on the device: the batch's own `max_seq_len` stays,
+    and the kernels given the frozen lengths still match the reference."""
+    import dataclasses
+
+    from kvgraph.attention.backends.base import StepLengths
+    from kvgraph.forward_context import BatchDescriptor
+
+    batch = random_attention_batch(kind, 4, "gqa", dtype=torch.float32)
+    md = batch.md
+    descriptor = BatchDescriptor(md.num_actual_tokens, md.num_reqs, md.uniform_decode)
+    lengths = StepLengths(md.max_query_len, md.max_seq_len)
+    frozen = get_attention_backend("triton", DEVICE).frozen_lengths(
+        descriptor, lengths, max_model_len=md.max_seq_len + 1000)
+    longest_query = 1 if kind == "decode" else md.num_actual_tokens
+    assert frozen == StepLengths(longest_query, md.max_seq_len)
+    frozen_md = dataclasses.replace(md, max_query_len=frozen.max_query_len)
+    assert_close(run_triton(batch, md=frozen_md), batch.ref, torch.float32)
+
+
+def test_keys_are_split_only_until_a_gpu_is_full():
+    """On a GPU, a grid of fewer than FULL_GRID programs gets more splits the smaller it is (a
+    power of two, at most MAX_SPLITS); a full grid, and the interpreter, get one."""
+    from kvgraph.attention.backends.triton.launch import FULL_GRID, MAX_SPLITS, num_kv_splits
+
+    cuda = torch.device("cuda")
+    splits = [num_kv_splits(programs, cuda) for programs in range(1, FULL_GRID + 1)]
+    assert splits[0] == MAX_SPLITS and splits[-1] == 1
+    assert all(n & (n - 1) == 0 for n in splits) and splits == sorted(splits, reverse=True)
+    assert num_kv_splits(1, torch.device("cpu")) == 1
 
 
 @pytest.mark.parametrize("window", [None, 2])

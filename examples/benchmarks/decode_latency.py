@@ -100,6 +100,11 @@ def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     for row in rows:
         if "prefill_tok_s" in row:
             print(table_line(row, batches, "prefill_tok_s") + "  prefill tokens/s (one step)")
+    for row in rows:
+        if row.get("graph_bytes"):
+            print(f"{row['name']:<28}{row['graph_bytes'] / 2**20:>10.1f}  graph MiB, "
+                  f"{row['graph_bytes_vs_largest']:.2f}x the largest descriptor's "
+                  f"({row['graphs']} graphs, {row['capture_s']:.1f} s)")
     if args.modes:
         print(f"tokens: the smallest fraction of greedy tokens equal to kvgraph "
               f"{args.modes[0]}'s")

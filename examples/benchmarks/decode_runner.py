@@ -110,6 +110,13 @@ def decode(runner: kvgraph.ModelRunner, batch: int, args, steps: int) -> Decoded
     return Decoded(requests.generated(), history, step_s, host_s, requests.prefill_s)
 
 
+def graph_bytes_vs_largest(bytes_by_descriptor: Mapping[str, int]) -> float | None:
+    """All graphs' memory over the largest descriptor's: 1.0 when every size shares its pool
+    (target <= 1.5); None without graphs."""
+    largest = max(bytes_by_descriptor.values(), default=0)
+    return sum(bytes_by_descriptor.values()) / largest if largest else None
+
+
 def token_match(tokens: torch.Tensor, reference: torch.Tensor | None) -> float | None:
     """The fraction of greedy tokens equal to the reference's (None without a reference)."""
     if reference is None:
@@ -127,6 +134,8 @@ def measure_mode(args, mode: str, weights: Mapping[str, torch.Tensor],
         "name": f"kvgraph {mode}", "mode": runner.config.graph_mode.value,
         "attn_backend": runner.attn_backend, "capture_s": summary["seconds"],
         "graphs": summary["graphs"], "graph_bytes": summary["bytes"],
+        "bytes_by_descriptor": summary["bytes_by_descriptor"],
+        "graph_bytes_vs_largest": graph_bytes_vs_largest(summary["bytes_by_descriptor"]),
         "ms": {}, "host_ms": {}, "prefill_tok_s": {}, "token_match": {}, "max_abs_diff": {},
     }
     for batch in args.batch_sizes:

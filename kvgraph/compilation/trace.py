@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -30,8 +31,9 @@ def own_forward(model: nn.Module) -> Callable:
     uncompiled, and a dropped runner's compiled code would stay reachable. A private copy of
     the code gives each compiled model entries of its own, freed with it. Dynamo also installs
     each compiled graph (`__compiled_fn_*`) in the traced function's globals; in the module's
-    they would outlive the model, so the copy gets a copy of them, freed with it too (the
-    forward then sees the module's globals as they were when it was compiled).
+    they would outlive the model, so the copy gets a copy of them (the forward then sees the
+    module's globals as they were when it was compiled), which `CompiledModel` empties when
+    it goes.
     """
     function = type(model).forward
     own = types.FunctionType(function.__code__.replace(), dict(function.__globals__),
@@ -53,6 +55,10 @@ class CompiledModel:
     every model of one class, in this process or, through its profile cache, an earlier one)
     into a graph input wrapped in a new tensor on every call, which a captured graph would
     read from a stale address.
+
+    `release()` (or dropping it) frees the compiled code. Dropping alone would not: Dynamo's
+    guards keep a finalizer on long-lived objects (builtins among them) that holds the guarded
+    function's globals, and through them every graph compiled for it, for the process's life.
     """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None):
@@ -62,8 +68,18 @@ class CompiledModel:
         options: dict[str, Any] = {}
         if not self.config.check_guards:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
-        self._compiled = torch.compile(own_forward(model), backend=self.backend, options=options)
+        forward = own_forward(model)
+        self._globals = forward.__func__.__globals__
+        self._own_names = set(self._globals)
+        weakref.finalize(self, _drop_installed, self._globals, self._own_names)
+        self._compiled = torch.compile(forward, backend=self.backend, options=options)
         self._traced = False
+
+    def release(self) -> None:
+        """Free the compiled code (what Dynamo installed in the forward's globals); the model
+        cannot be called through this object afterwards."""
+        _drop_installed(self._globals, self._own_names)
+        self._compiled = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs: Any) -> Any:
         mark_token_dims(input_ids, positions)
@@ -76,6 +92,13 @@ class CompiledModel:
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
+
+
+def _drop_installed(scope: dict[str, Any], original: set[str]) -> None:
+    """Let go of what Dynamo installed in `scope` (every name not in `original`). The names stay,
+    set to None: Dynamo deletes each when its code goes, and would fail on a missing one."""
+    for name in scope.keys() - original:
+        scope[name] = None
 
 
 def compile_model(model: nn.Module, config: CompilationConfig | None = None) -> CompiledModel:

@@ -251,6 +251,8 @@ class ModelRunner:
         if self._forward is None:
             return
         self._graphs.release()
+        if isinstance(self._forward, CompiledModel):
+            self._forward.release()
         self._forward = self.hidden_states = None
         model_claim.release(attention_layers(self.model).values(), self._claim)
         self.kv_caches = {}

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from kvgraph.attention.backends.triton.paged import (
+    NO_WINDOW,
     load_head_row,
     online_softmax_step,
     request_of,
@@ -15,6 +16,10 @@ from kvgraph.attention.backends.triton.paged import (
     store_head_row,
 )
 from kvgraph.attention.metadata import AttentionMetadata
+
+# Keys per tile: a program holds one query row, so its scores are a sum over the tile, not a dot
+# (no tensor-core minimum), and a small tile keeps its registers few.
+ENCODER_KEYS = 16
 
 
 @triton.jit
@@ -33,7 +38,7 @@ def _encoder_attention_kernel(
                                                         REQS)
     first_key = tl.maximum(token - sliding_window + 1, query_start)
     last_key = (tl.minimum(token + sliding_window, query_start + query_len) - 1) * real \
-        + (real - 1) * (2**30)  # padding: an empty range
+        + (real - 1) * NO_WINDOW  # padding: an empty range
 
     dims = tl.arange(0, HEAD_BLOCK)
     dim_mask = dims < HEAD_SIZE
@@ -66,9 +71,8 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     query = rows_contiguous(query)
     _encoder_attention_kernel[(num_tokens, num_heads)](
         out, query, key.contiguous(), value.contiguous(), metadata.query_start_loc,
-        scale, num_reqs, sliding_window or 2**30, *query.stride()[:2], *out.stride()[:2],
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=key.shape[1], HEAD_SIZE=head_size,
-        HEAD_BLOCK=triton.next_power_of_2(head_size), KEYS=16,
+        scale, num_reqs, sliding_window or NO_WINDOW.value, *query.stride()[:2],
+        *out.stride()[:2], NUM_HEADS=num_heads, NUM_KV_HEADS=key.shape[1], HEAD_SIZE=head_size,
+        HEAD_BLOCK=triton.next_power_of_2(head_size), KEYS=ENCODER_KEYS,
         REQS=triton.next_power_of_2(num_reqs),
     )

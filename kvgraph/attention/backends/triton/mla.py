@@ -10,24 +10,22 @@ import torch
 import triton
 import triton.language as tl
 
+from kvgraph.attention.backends.triton.launch import (
+    LaunchPlan,
+    dot_block,
+    dot_precision,
+    step_launch_plan,
+)
 from kvgraph.attention.backends.triton.paged import (
-    block_q,
+    NO_WINDOW,
     key_slots,
-    keys_per_tile,
     load_rows,
-    merge_splits,
-    num_kv_splits,
     program_rows,
     rows_contiguous,
     softmax_tile,
-    split_buffers,
     store_rows,
 )
 from kvgraph.attention.metadata import AttentionMetadata
-
-# Rows (tokens x heads) per program: the fp32 accumulator is rows x the latent size (512 in
-# DeepSeek), so more rows would not fit in registers.
-MLA_ROWS = 16
 
 
 @triton.jit
@@ -49,7 +47,7 @@ def _mla_attention_kernel(
     split = tl.program_id(2)
     request, tokens, heads, row_valid, positions, first_key, last_key = program_rows(
         tl.program_id(0), tl.program_id(1), split, query_start_loc_ptr, seq_lens_ptr,
-        num_tokens, num_reqs, 2**30, NUM_HEADS, HEADS, NUM_SPLITS, BLOCK_Q, ROWS, REQS)
+        num_tokens, num_reqs, NO_WINDOW, NUM_HEADS, HEADS, NUM_SPLITS, BLOCK_Q, ROWS, REQS)
     q_latent = load_rows(q_latent_ptr, tokens, heads, q_token_stride, q_head_stride, row_valid,
                           LATENT, LATENT_BLOCK)
     q_pe = load_rows(q_pe_ptr, tokens, heads, pe_token_stride, pe_head_stride, row_valid, ROPE,
@@ -83,36 +81,29 @@ def _mla_attention_kernel(
 
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, kv_c_cache: torch.Tensor,
                   k_pe_cache: torch.Tensor, out: torch.Tensor, metadata: AttentionMetadata,
-                  scale: float, num_splits: int | None = None) -> None:
+                  scale: float, *, plan: LaunchPlan | None = None,
+                  num_splits: int | None = None) -> None:
     """Causal paged MLA of `q_latent` `[T, H, L]` and `q_pe` `[T, H, R]`, into `out`.
 
-    `num_splits` (a power of two; default `num_kv_splits`) splits each query's keys into
-    ranges computed in parallel and merged after (flash-decoding).
+    `plan` is the step's launch plan (default: the Triton backend's `step_plan(metadata)`).
+    `num_splits` (a power of two) forces how many ranges each query's keys are split into,
+    computed in parallel and merged after (flash-decoding); by default the plan chooses.
     """
     num_tokens, num_heads, latent = q_latent.shape
-    num_reqs = metadata.seq_lens.shape[0]
-    if num_tokens == 0 or num_reqs == 0:
+    if num_tokens == 0 or metadata.seq_lens.shape[0] == 0:
         out.zero_()
         return
+    plan = plan or step_launch_plan(metadata)
     rope, block_size = q_pe.shape[-1], kv_c_cache.shape[1]
-    heads = min(MLA_ROWS, triton.next_power_of_2(num_heads))  # per program
-    tokens_per_program = block_q(metadata.max_query_len, heads, MLA_ROWS)
-    query_blocks = triton.cdiv(num_tokens, tokens_per_program)
-    head_blocks = triton.cdiv(num_heads, heads)
-    splits = num_splits or num_kv_splits(query_blocks * head_blocks, q_latent.device)
-    latent_block = max(16, triton.next_power_of_2(latent))  # tensor-core dots need 16
-    partial, partial_stats = split_buffers(out, splits, latent_block, metadata.workspace)
+    launch = plan.mla(q_latent, num_splits)
     q_latent, q_pe = rows_contiguous(q_latent), rows_contiguous(q_pe)
-    _mla_attention_kernel[(query_blocks + num_reqs + 1, head_blocks, splits)](
+    _mla_attention_kernel[launch.grid](
         out, q_latent, q_pe, kv_c_cache, k_pe_cache, metadata.block_table, metadata.seq_lens,
-        metadata.query_start_loc, scale, num_tokens, num_reqs, metadata.block_table.stride(0),
-        *q_latent.stride()[:2], *q_pe.stride()[:2], *out.stride()[:2], partial, partial_stats,
-        NUM_HEADS=num_heads, HEADS=heads, LATENT=latent, LATENT_BLOCK=latent_block, ROPE=rope,
-        ROPE_BLOCK=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=block_size,
-        KEYS=keys_per_tile(latent_block), REQS=triton.next_power_of_2(num_reqs),
-        NUM_SPLITS=splits, BLOCK_Q=tokens_per_program,
-        ROWS=max(16, triton.next_power_of_2(tokens_per_program * heads)),
-        PRECISION="ieee" if kv_c_cache.dtype == torch.float32 else "tf32",
+        metadata.query_start_loc, scale, num_tokens, metadata.seq_lens.shape[0],
+        metadata.block_table.stride(0), *q_latent.stride()[:2], *q_pe.stride()[:2],
+        *out.stride()[:2], *launch.partials(out),
+        NUM_HEADS=num_heads, HEADS=launch.heads, LATENT=latent, LATENT_BLOCK=launch.row_block,
+        ROPE=rope, ROPE_BLOCK=dot_block(rope), BLOCK_SIZE=block_size,
+        PRECISION=dot_precision(kv_c_cache.dtype), **launch.constexprs(),
     )
-    if splits > 1:
-        merge_splits(out, partial, partial_stats)
+    launch.finish(out)

@@ -1,11 +1,16 @@
-"""What every kvgraph Triton kernel shares: the cache write, finding a token's request, and one
-step of the online softmax; plus the host-side helpers that size their launches."""
+"""What every kvgraph Triton kernel shares: the cache write, finding a token's request and a
+program's rows, the online softmax, and the merge of split keys. Launch sizes are in
+`launch.py`."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+# Farther than any position (positions are int32 and stay below it): the window of attention
+# without one, and wherever a kernel needs "past every token". A constexpr: kernels may read it.
+NO_WINDOW = tl.constexpr(2**30)
 
 
 @triton.jit
@@ -55,7 +60,8 @@ def request_of(token, query_start_loc_ptr, num_reqs, REQS: tl.constexpr):
     """The request `token` belongs to, whether it is real (1) or padding (0), its query start
     and length."""
     reqs = tl.arange(0, REQS)
-    ends = tl.load(query_start_loc_ptr + 1 + reqs, mask=reqs < num_reqs, other=2**30)
+    ends = tl.load(query_start_loc_ptr + 1 + reqs, mask=reqs < num_reqs,
+                   other=NO_WINDOW)  # missing requests end past every token
     request = tl.sum((ends <= token).to(tl.int32), axis=0)  # requests that end at or before it
     real = (request < num_reqs).to(tl.int32)  # tokens past the last request are padding
     request = tl.minimum(request, num_reqs - 1)
@@ -104,12 +110,6 @@ def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     """`x` with its last dimension contiguous (kernels take the other strides as arguments)."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
-
-def keys_per_tile(row_block: int) -> int:
-    """Cached rows per tile: 64, fewer for wide rows so that a tile of keys and one of values
-    (`KEYS x row_block` fp32 each) stay in registers. Keys are found one by one in the block
-    table, so the tile does not depend on the block size."""
-    return max(16, min(64, 8192 // row_block))
 
 
 @triton.jit
@@ -244,40 +244,6 @@ def _merge_splits_kernel(out_ptr, partial_ptr, partial_stats_ptr, out_token_stri
     result = tl.sum(weights[:, None] * accs, axis=0) / tl.maximum(total, 1e-30)
     store_head_row(out_ptr, result, token, head, out_token_stride, out_head_stride, HEAD_SIZE,
                    HEAD_BLOCK)
-
-
-def block_q(max_query_len: int, heads: int, rows: int = 64) -> int:
-    """Query tokens per program: one for decode; for longer queries, enough that a program's
-    rows (tokens x the query heads it serves) fill a `rows`-row tile."""
-    return 1 if max_query_len == 1 else max(1, rows // triton.next_power_of_2(heads))
-
-
-def num_kv_splits(programs: int, device: torch.device) -> int:
-    """How many key ranges each program's keys are split into: on a GPU enough that a small
-    batch (long-context decode) still fills it, else one; on the interpreter one (splits buy
-    parallelism it does not have). Shapes only, so a captured graph keeps its choice."""
-    if device.type != "cuda" or programs >= 256:
-        return 1
-    return min(16, triton.next_power_of_2(256 // programs))
-
-
-def split_buffers(out: torch.Tensor, splits: int, head_block: int,
-                  workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each (token, head, split)'s partial output and (row max, row sum) for `merge_splits`;
-    with one split nothing (the kernels then write `out` directly).
-
-    They are views of `workspace` (the runner's fp32 scratch, which never moves, so graphs may
-    hold it) when it is large enough; otherwise they are allocated.
-    """
-    if splits == 1:
-        return out, out
-    rows = out.shape[0] * out.shape[1] * splits
-    shape = (out.shape[0], out.shape[1], splits)
-    if workspace is not None and workspace.numel() >= rows * (head_block + 2):
-        partial = workspace[:rows * head_block].view(*shape, head_block)
-        return partial, workspace[rows * head_block:rows * (head_block + 2)].view(*shape, 2)
-    return (torch.empty(*shape, head_block, dtype=torch.float32, device=out.device),
-            torch.empty(*shape, 2, dtype=torch.float32, device=out.device))
 
 
 def merge_splits(out: torch.Tensor, partial: torch.Tensor, stats: torch.Tensor) -> None:

@@ -6,17 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kvgraph.attention.backends.triton.launch import LaunchPlan, dot_precision, step_launch_plan
 from kvgraph.attention.backends.triton.paged import (
-    block_q,
+    NO_WINDOW,
     key_slots,
-    keys_per_tile,
     load_rows,
-    merge_splits,
-    num_kv_splits,
     program_rows,
     rows_contiguous,
     softmax_tile,
-    split_buffers,
     store_rows,
 )
 from kvgraph.attention.metadata import AttentionMetadata
@@ -75,37 +72,29 @@ def _unified_attention_kernel(
 
 def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       out: torch.Tensor, metadata: AttentionMetadata, scale: float,
-                      sliding_window: int | None, num_splits: int | None = None) -> None:
+                      sliding_window: int | None, *, plan: LaunchPlan | None = None,
+                      num_splits: int | None = None) -> None:
     """Causal paged attention of `query` `[T, H, D]` over the caches, into `out`.
 
-    `num_splits` (a power of two; default `num_kv_splits`) splits each query's keys into
-    ranges computed in parallel and merged after (flash-decoding).
+    `plan` is the step's launch plan (default: the Triton backend's `step_plan(metadata)`).
+    `num_splits` (a power of two) forces how many ranges each query's keys are split into,
+    computed in parallel and merged after (flash-decoding); by default the plan chooses.
     """
     num_tokens, num_heads, head_size = query.shape
-    num_reqs = metadata.seq_lens.shape[0]
-    if num_tokens == 0 or num_reqs == 0:
+    if num_tokens == 0 or metadata.seq_lens.shape[0] == 0:
         out.zero_()
         return
+    plan = plan or step_launch_plan(metadata)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    tokens_per_program = block_q(metadata.max_query_len, group)
-    # Enough programs for every request's blocks and the padding after them, from shapes only.
-    programs = triton.cdiv(num_tokens, tokens_per_program) + num_reqs + 1
-    splits = num_splits or num_kv_splits(
-        triton.cdiv(num_tokens, tokens_per_program) * num_kv_heads, query.device)
-    head_block = max(16, triton.next_power_of_2(head_size))  # tensor-core dots need 16
-    partial, partial_stats = split_buffers(out, splits, head_block, metadata.workspace)
+    launch = plan.unified(query, num_kv_heads, num_splits)
     query = rows_contiguous(query)
-    _unified_attention_kernel[(programs, num_kv_heads, splits)](
+    _unified_attention_kernel[launch.grid](
         out, query, key_cache, value_cache, metadata.block_table, metadata.seq_lens,
-        metadata.query_start_loc, scale, num_tokens, num_reqs, metadata.block_table.stride(0),
-        sliding_window or 2**30, *query.stride()[:2], *out.stride()[:2], partial, partial_stats,
+        metadata.query_start_loc, scale, num_tokens, metadata.seq_lens.shape[0],
+        metadata.block_table.stride(0), sliding_window or NO_WINDOW.value, *query.stride()[:2],
+        *out.stride()[:2], *launch.partials(out),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size,
-        HEAD_BLOCK=head_block, BLOCK_SIZE=block_size, KEYS=keys_per_tile(head_block),
-        REQS=triton.next_power_of_2(num_reqs), NUM_SPLITS=splits, BLOCK_Q=tokens_per_program,
-        ROWS=max(16, triton.next_power_of_2(tokens_per_program * group)),
-        # fp32 dots: exact for an fp32 cache; TF32 holds a bf16 or fp16 cache's values exactly.
-        PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+        HEAD_BLOCK=launch.row_block, BLOCK_SIZE=block_size,
+        PRECISION=dot_precision(key_cache.dtype), **launch.constexprs(),
     )
-    if splits > 1:
-        merge_splits(out, partial, partial_stats)
+    launch.finish(out)

@@ -289,6 +289,8 @@ def test_asking_for_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(m
     # Every other mode too; slow only because the interpreter runs each capture's kernels.
     *[pytest.param("llama", mode, marks=pytest.mark.slow)
       for mode in ("none", "full_decode_only", "full_and_piecewise")],
+    *[pytest.param("deepseek_mla", mode, marks=pytest.mark.slow)
+      for mode in ("piecewise", "full")],
 ])
 def test_the_runner_with_triton_generates_what_torch_native_does(kind, mode):
     reference = make_runner(kind, "eager", device=DEVICE)

@@ -77,8 +77,7 @@ class TokenLayoutPlan(AttentionPlan):
         super().__init__(backend, metadata, descriptor)
         self._layout: TokenLayout | None = None
         self._key_lens: torch.Tensor | None = None
-        self.blocks_read = min(cdiv(metadata.max_seq_len, metadata.block_size),
-                               metadata.block_table.shape[1])
+        self._block_ids: torch.Tensor | None = None
 
     def layout(self, num_tokens: int, device: torch.device) -> TokenLayout:
         if self._layout is None:
@@ -93,8 +92,12 @@ class TokenLayoutPlan(AttentionPlan):
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
         """Each request's cached rows, `[num_reqs, blocks_read * block_size, ...]`."""
-        block_ids = self.metadata.block_table[:, :self.blocks_read].long()
-        return cache[block_ids].flatten(1, 2)  # [num_reqs, blocks_read, block_size, ...] first
+        if self._block_ids is None:
+            metadata = self.metadata
+            blocks_read = min(cdiv(metadata.max_seq_len, metadata.block_size),
+                              metadata.block_table.shape[1])
+            self._block_ids = metadata.block_table[:, :blocks_read].long()
+        return cache[self._block_ids].flatten(1, 2)  # [num_reqs, blocks_read, block_size, ...]
 
 
 def attend(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvgraph
-from kvgraph import CompilationConfig, GraphMode
+from kvgraph import CompilationConfig
 from kvgraph.attention.backends import GraphSupport, register_attention_backend
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
 from kvgraph.compilation.counters import compile_counters

@@ -82,22 +82,27 @@ class Dispatcher:
         """The runtime mode and descriptor of `batch`, counted in `stats`."""
         num_tokens = batch.num_tokens
         mode, descriptor = self._choose(num_tokens, batch.num_reqs, batch.uniform_decode)
-        if mode is GraphMode.FULL and not self.has_graphs(mode, descriptor):
+        if mode is not GraphMode.NONE and not self.has_graphs(mode, descriptor):
             # A full graph that failed to capture: the same size's piecewise graphs may exist.
             piecewise = BatchDescriptor(descriptor.num_tokens)
-            if self.has_graphs(GraphMode.PIECEWISE, piecewise):
+            if mode is GraphMode.FULL and self.has_graphs(GraphMode.PIECEWISE, piecewise):
                 mode, descriptor = GraphMode.PIECEWISE, piecewise
-        if mode is not GraphMode.NONE and not self.has_graphs(mode, descriptor):
-            self.stats.uncaptured += 1
-            if not self._warned_uncaptured:
-                self._warned_uncaptured = True
-                logger.info("kvgraph: a batch for %s %s ran without graphs: none was captured "
-                            "(call ModelRunner.capture(); counted in stats, logged once)",
-                            mode.value, descriptor)
-            mode, descriptor = GraphMode.NONE, BatchDescriptor(num_tokens)
+            else:
+                mode, descriptor = self._uncaptured(mode, descriptor, num_tokens)
         self.stats.hits[(mode.value, descriptor)] += 1
         self.stats.padded_tokens += descriptor.num_tokens - num_tokens
         return mode, descriptor
+
+    def _uncaptured(self, mode: GraphMode, descriptor: BatchDescriptor, num_tokens: int
+                    ) -> tuple[GraphMode, BatchDescriptor]:
+        """A batch whose graphs do not exist runs without graphs: counted, logged once."""
+        self.stats.uncaptured += 1
+        if not self._warned_uncaptured:
+            self._warned_uncaptured = True
+            logger.info("kvgraph: a batch for %s %s ran without graphs: none was captured "
+                        "(call ModelRunner.capture(); counted in stats, logged once)",
+                        mode.value, descriptor)
+        return GraphMode.NONE, BatchDescriptor(num_tokens)
 
     def _choose(self, num_tokens: int, num_reqs: int, uniform_decode: bool
                 ) -> tuple[GraphMode, BatchDescriptor]:

@@ -14,9 +14,10 @@ frees them, with its caches and compiled code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -192,15 +193,19 @@ class ModelRunner:
     def _run(self, step: Step) -> torch.Tensor:
         """The forward of `step`, replayed from its graphs when its runtime mode has them."""
         mode, descriptor = step.plan.runtime_mode, step.plan.descriptor
-        with torch.no_grad(), set_forward_context(step.metadata, descriptor, self.attn_backend,
-                                                  mode, self._graphs):
-            if mode.has_graphs:
-                hidden = self._graphs.replay(mode, descriptor, step.metadata,
-                                             lambda: self._forward(step.input_ids, step.positions))
-            else:
-                hidden = self._forward(step.input_ids, step.positions)
+        with self._step_context(step) as forward:
+            hidden = (self._graphs.replay(mode, descriptor, step.metadata, forward)
+                      if mode.has_graphs else forward())
         self.hidden_states = hidden
         return hidden
+
+    @contextlib.contextmanager
+    def _step_context(self, step: Step) -> Iterator[Callable[[], torch.Tensor]]:
+        """The forward context of `step`, and its forward (run, replayed or captured in it)."""
+        with torch.no_grad(), set_forward_context(step.metadata, step.plan.descriptor,
+                                                  self.attn_backend, step.plan.runtime_mode,
+                                                  self._graphs):
+            yield lambda: self._forward(step.input_ids, step.positions)
 
     def _capture_or_warn(self, mode: GraphMode, descriptor: BatchDescriptor) -> bool:
         try:
@@ -217,10 +222,8 @@ class ModelRunner:
         if self._platform.needs_warmup:  # first runs initialise kernels that capture cannot
             self._run(self._prepare(batch, GraphMode.NONE, descriptor, writes_cache=False))
         step = self._prepare(batch, mode, descriptor, writes_cache=False)
-        with torch.no_grad(), set_forward_context(step.metadata, descriptor, self.attn_backend,
-                                                  mode, self._graphs):
-            self._graphs.capture(mode, descriptor, step.metadata,
-                                 lambda: self._forward(step.input_ids, step.positions))
+        with self._step_context(step) as forward:
+            self._graphs.capture(mode, descriptor, step.metadata, forward)
 
     def _dummy_batch(self, num_reqs: int) -> HostBatch:
         return host_batch([RequestChunk([0], 0, [0])] * num_reqs, self.limits.block_size)

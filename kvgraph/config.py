@@ -11,27 +11,22 @@ import argparse
 import dataclasses
 import enum
 import logging
-import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from kvgraph import config_checks as checks
 from kvgraph.attention.op_names import ATTENTION_OPS
 from kvgraph.cache_dir import check_cache_dir
 from kvgraph.config_sources import build, env_settings
 from kvgraph.errors import ConfigError
-from passes import REGISTERED_PASSES
+from passes.op_match import op_exists
+from kvgraph.config_checks import (ON_COMPILE_ERROR, PASSES, PIECE_COMPILERS,  # noqa: F401
+                                    TORCH_COMPILE_MODES)
 
-PIECE_COMPILERS = ("inductor", "eager")
-# What happens to a piece inductor fails to build: run it uncompiled (with a warning), or raise.
-ON_COMPILE_ERROR = ("eager", "raise")
-PASSES = tuple(REGISTERED_PASSES)
 DEFAULT_MAX_NUM_TOKENS = 512  # the batch bound where max_num_tokens is unset and no runner sets it
 MAX_DEFAULT_CAPTURE_SIZE = 512  # the largest default capture size (see capture_size_list)
-# torch.compile's modes kvgraph accepts; "reduce-overhead" (graphs on) is refused: kvgraph's
-# graphs are chosen by graph_mode, and inductor must never add graphs of its own.
-TORCH_COMPILE_MODES = ("default", "max-autotune", "max-autotune-no-cudagraphs")
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +91,17 @@ def default_cache_dir() -> str:
     return os.path.join(base, "kvgraph")
 
 
+def without_pieces(mode: GraphMode, why: str) -> GraphMode:
+    """What `mode` becomes with nothing to split at, with a warning saying `why`.
+
+    The one piece is the whole forward, attention inside, which is a full graph per descriptor
+    (vLLM does the same).
+    """
+    logger.warning("kvgraph: %s, so graph_mode %r captures the whole forward per descriptor: it "
+                   "runs as 'full'", why, mode.value)
+    return GraphMode.FULL
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     """Every setting of compilation and graph capture, checked (types and values) on construction.
@@ -133,12 +139,16 @@ class CompilationConfig:
             if bad:
                 bound = "be >= 1" if upper is None else f"lie in [1, max_num_tokens={upper}]"
                 raise ConfigError(name, f"{name} must {bound}, got {bad}")
+        unknown = [op for op in self.splitting_ops if not op_exists(op)]
+        if unknown:
+            logger.warning("kvgraph: splitting_ops %s name no registered op, so nothing is split "
+                           "at them (fix the names, or register the ops before building the "
+                           "config)", unknown)
+            object.__setattr__(self, "splitting_ops",
+                               tuple(op for op in self.splitting_ops if op not in unknown))
         if not self.splitting_ops and self.graph_mode.has_piecewise_graphs:
-            # Nothing to split at: the one piece is the whole forward, attention inside, which
-            # is a full graph per descriptor (vLLM does the same).
-            logger.warning("kvgraph: splitting_ops is empty, so graph_mode %r captures the whole "
-                           "forward per descriptor: it runs as 'full'", self.graph_mode.value)
-            object.__setattr__(self, "graph_mode", GraphMode.FULL)
+            object.__setattr__(self, "graph_mode", without_pieces(self.graph_mode, "splitting_ops "
+                                                                  "is empty"))
         if self.capture_sizes == () and self.graph_mode.has_graphs:
             raise ConfigError("capture_sizes", f"capture_sizes is empty, so graph_mode "
                               f"{self.graph_mode.value!r} would capture no graph: for no graphs "
@@ -195,105 +205,21 @@ class CompilationConfig:
         return dataclasses.replace(self, **changes)
 
 
-# --- checks of one field each: the value as stored, or a ConfigError naming the field ---------
-
-STRINGS_HINT = ("; strings are parsed only by CompilationConfig.from_options, from_env and "
-                "from_cli_args (e.g. '1,2,4')")
-
-
-def _got(value: Any) -> str:
-    return f"got {value!r} ({type(value).__name__})"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(name, f"{name}: expected True or False, {_got(value)}")
-    return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if not _is_int(value) or value < 1:
-        raise ConfigError(name, f"{name}: expected an int >= 1, {_got(value)}")
-    return int(value)
-
-
-def _sizes(name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple, set, frozenset, range)):
-        hint = STRINGS_HINT if isinstance(value, str) else ""
-        raise ConfigError(name, f"{name}: expected a tuple or list of ints, {_got(value)}{hint}")
-    bad = [s for s in value if not _is_int(s)]
-    if bad:
-        raise ConfigError(name, f"{name}: expected ints, got {bad[0]!r} ({type(bad[0]).__name__}) "
-                          f"in {value!r}")
-    return tuple(sorted({int(s) for s in value}))
-
-
-def _optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
-    return lambda name, value: None if value is None else check(name, value)
-
-
-def _names(name: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(name, f"{name}: expected a tuple or list of str, {_got(value)}")
-    return tuple(value)
-
-
-def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
-    def check(name: str, value: Any) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise ConfigError(name, f"{name}: {value!r} is not one of {list(choices)}")
-        return value
-    return check
-
-
-def _passes(name: str, value: Any) -> tuple[str, ...]:
-    return tuple(_choice(PASSES)(name, v) for v in _names(name, value))
-
-
-def _splitting_ops(name: str, value: Any) -> tuple[str, ...]:
-    for op in _names(name, value):
-        namespace, _, op_name = op.partition("::")
-        if not namespace or not op_name or "::" in op_name or "." in op_name:
-            raise ConfigError(name, f"splitting_ops entries are 'namespace::op' (no overload), "
-                              f"got {op!r}")
-    return tuple(value)
-
-
-def _mode(name: str, value: Any) -> str:
-    if value == "reduce-overhead":
-        raise ConfigError(name, "mode='reduce-overhead' (torch.compile's graphs) is not a kvgraph "
-                          "mode: kvgraph captures graphs itself, as graph_mode says (piecewise by "
-                          "default; full_and_piecewise for full decode graphs)")
-    return _choice(TORCH_COMPILE_MODES)(name, value)
-
-
-def _path(name: str, value: Any) -> str:
-    path = os.fspath(value) if isinstance(value, os.PathLike) else value
-    if not isinstance(path, str) or not path:
-        raise ConfigError(name, f"{name}: expected a path (a non-empty str or os.PathLike), "
-                          f"{_got(value)}; leave it out for the default")
-    return os.path.expanduser(path)
-
-
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "graph_mode": lambda name, value: GraphMode.parse(value),
-    "max_num_tokens": _optional(_positive_int),
-    "capture_sizes": _optional(_sizes),
-    "compile_sizes": _sizes,
-    "piece_compiler": _choice(PIECE_COMPILERS),
-    "splitting_ops": _splitting_ops,
-    "passes": _passes,
-    "mode": _mode,
-    "use_compile_cache": _bool,
-    "cache_dir": _path,
-    "debug_dump_path": _optional(_path),
-    "check_guards": _bool,
-    "check_graph_inputs": _bool,
-    "on_compile_error": _choice(ON_COMPILE_ERROR),
+    "max_num_tokens": checks.optional(checks.token_count),
+    "capture_sizes": checks.optional(checks.sizes),
+    "compile_sizes": checks.sizes,
+    "piece_compiler": checks.choice(PIECE_COMPILERS),
+    "splitting_ops": checks.splitting_ops,
+    "passes": checks.passes,
+    "mode": checks.mode,
+    "use_compile_cache": checks.check_bool,
+    "cache_dir": checks.path,
+    "debug_dump_path": checks.optional(checks.dump_dir),
+    "check_guards": checks.check_bool,
+    "check_graph_inputs": checks.check_bool,
+    "on_compile_error": checks.choice(ON_COMPILE_ERROR),
 }
 _FIELD_NAMES = list(_CHECKS)
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -37,3 +38,14 @@ def same_device(a: torch.device | str, b: torch.device | str) -> bool:
     if a.index == b.index:
         return True
     return canonical_device(a) == canonical_device(b)
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """All the memory `device` has (the machine's RAM for the CPU); None when unknown."""
+    if device.type == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    properties = getattr(getattr(torch, device.type, None), "get_device_properties", None)
+    return None if properties is None else int(properties(device).total_memory)

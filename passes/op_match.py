@@ -20,3 +20,13 @@ def op_name(target: object) -> str | None:
 def is_op_call(node: fx.Node, names: Collection[str]) -> bool:
     """Whether `node` calls one of the ops `names` (packet or any overload, as Dynamo and AOT emit)."""
     return node.op == "call_function" and op_name(node.target) in names
+
+
+def op_exists(name: str) -> bool:
+    """Whether `namespace::op` names an op registered with torch now."""
+    namespace, _, op = name.partition("::")
+    try:
+        getattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True

@@ -6,6 +6,7 @@ caches are bit-identical, the dispatcher counted nothing, and the next good step
 runner that never saw the bad one.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,10 +26,49 @@ BAD_BATCHES = {
                               rf"in \[0, vocab_size={VOCAB}\), got {VOCAB}"),
     "negative token id": ([RequestChunk([1], 0, [5]), RequestChunk([-1], 0, [6])],
                           "chunk 1: token_ids must lie in"),
-    "float token ids": ([RequestChunk([1.7, 2.2], 0, [5])], "chunk 0: token_ids must be integers"),
-    "float block ids": ([RequestChunk([1], 0, [5.0])], "chunk 0: block_ids must be integers"),
+    "float token ids": ([RequestChunk([1.7, 2.2], 0, [5])],
+                        r"chunk 0: token_ids must be a list of ints .*got \[1.7, 2.2\]"),
+    "float block ids": ([RequestChunk([1], 0, [5.0])], "chunk 0: block_ids must be a list of ints"),
     "float num_computed_tokens": ([RequestChunk([1], 2.0, [5])],
-                                  "chunk 0: num_computed_tokens must be integers"),
+                                  "chunk 0: num_computed_tokens must be an int .*got float 2.0"),
+    # Issue 17: every shape and type a chunk's fields were given.
+    "nested token ids": ([RequestChunk([[1, 2]], 0, [5])],
+                         r"chunk 0: token_ids must be a list of ints .*got \[\[1, 2\]\]"),
+    "ragged token ids": ([RequestChunk([4], 0, [6]), RequestChunk([[1, 2], [3]], 0, [5])],
+                         "chunk 1: token_ids must be a list of ints"),
+    "2-D token tensor": ([RequestChunk(torch.tensor([[1, 2]]), 0, [5])],
+                         r"chunk 0: token_ids must be a 1-D integer array, got one of shape "
+                         r"\(1, 2\)"),
+    "2-D token array": ([RequestChunk(np.array([[1, 2]]), 0, [5])],
+                        r"chunk 0: token_ids must be a 1-D integer array.*\(1, 2\)"),
+    "float token tensor": ([RequestChunk(torch.tensor([1.0]), 0, [5])],
+                           "chunk 0: token_ids must be a 1-D integer array.*torch.float32"),
+    "token ids None": ([RequestChunk(None, 0, [5])],
+                       "chunk 0: token_ids must be a list of ints, got None"),
+    "token ids an int": ([RequestChunk(3, 0, [5])],
+                         "chunk 0: token_ids must be a list of ints, got int 3"),
+    "block ids None": ([RequestChunk([1], 0, None)],
+                       "chunk 0: block_ids must be a list of ints, got None"),
+    "nested block ids": ([RequestChunk([1], 0, [[5]])], "chunk 0: block_ids must be a list of ints"),
+    "a chunk that is a tuple": ([([1], 0, [5])], "chunk 0: expected a RequestChunk"),
+    "a chunk that is None": ([RequestChunk([1], 0, [5]), None],
+                             "chunk 1: expected a RequestChunk.*got None"),
+    "chunks=None": (None, "chunks must be a list of RequestChunk, got None"),
+    "bool token ids": ([RequestChunk([True, 2], 0, [5])],
+                       "chunk 0: token_ids must be a list of ints .not bools"),
+    "bool block ids": ([RequestChunk([1], 0, [True])], "chunk 0: block_ids must be a list of ints"),
+    "bool num_computed_tokens": ([RequestChunk([1], True, [5, 6])],
+                                 "chunk 0: num_computed_tokens must be an int .*got bool True"),
+    "num_computed_tokens at int64's max": (
+        [RequestChunk([1, 2], 2**63 - 1, [5])],
+        r"chunk 0: num_computed_tokens must lie in \[0, 2147483647\], got 9223372036854775807"),
+    "num_computed_tokens past int64": ([RequestChunk([1], 2**64, [5])],
+                                       "chunk 0: num_computed_tokens must be an int .*int64"),
+    "a token id past int64": ([RequestChunk([2**63], 0, [5])],
+                              "chunk 0: token_ids must be a list of ints .*int64"),
+    "a sequence past int32": ([RequestChunk([1, 2], 2**31 - 2, [5])],
+                              "chunk 0: num_computed_tokens . len.token_ids. must be at most "
+                              "2147483647"),
     "a block in two requests": ([RequestChunk([1], 0, [5]), RequestChunk([2], 0, [5])],
                                 r"block 5 is used more than once, by chunks \[0, 1\]"),
     "a block twice in one request": ([RequestChunk([1] * 5, 0, [6, 6])],

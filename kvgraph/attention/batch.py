@@ -7,14 +7,14 @@ Validation happens first and completely: a batch that fails writes nothing and c
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvgraph.attention.metadata import MAX_BLOCK_ID, AttentionMetadata, RequestChunk
+from kvgraph.attention.chunk_fields import read_chunks
+from kvgraph.attention.metadata import MAX_BLOCK_ID, MAX_SEQ_LEN, AttentionMetadata, RequestChunk
 from kvgraph.errors import BatchError
 
 
@@ -65,31 +65,19 @@ class HostBatch:
         )
 
 
-def _integers(values: list[Any], field: str, chunks: Sequence[RequestChunk]) -> np.ndarray:
-    """`values` as int64, or a BatchError naming the first chunk whose `field` is not integers."""
-    array = np.asarray(values)
-    if array.dtype.kind in "iub" and array.dtype != np.uint64:
-        return array.astype(np.int64, copy=False)
-    for i, chunk in enumerate(chunks):
-        given = getattr(chunk, field)
-        items = [given] if field == "num_computed_tokens" else list(given)
-        if np.asarray(items).dtype.kind not in "iub":
-            raise BatchError(f"chunk {i}: {field} must be integers, got {given!r}")
-    raise BatchError(f"{field} must be integers below 2**63, got {array.dtype} values")
-
-
 def _first(mask: np.ndarray) -> int:
     return int(np.argmax(mask))
 
 
-def _check_counts(query_lens: np.ndarray, computed: np.ndarray, block_counts: np.ndarray,
-                  blocks_needed: np.ndarray, seq_lens: np.ndarray, block_size: int) -> None:
+def _check_counts(query_lens: np.ndarray, block_counts: np.ndarray, blocks_needed: np.ndarray,
+                  seq_lens: np.ndarray, block_size: int) -> None:
     if (query_lens == 0).any():
         i = _first(query_lens == 0)
         raise BatchError(f"chunk {i} has no new tokens; every chunk must add at least one")
-    if (computed < 0).any():
-        i = _first(computed < 0)
-        raise BatchError(f"chunk {i}: num_computed_tokens must be >= 0, got {computed[i]}")
+    if (seq_lens > MAX_SEQ_LEN).any():
+        i = _first(seq_lens > MAX_SEQ_LEN)
+        raise BatchError(f"chunk {i}: num_computed_tokens + len(token_ids) must be at most "
+                         f"{MAX_SEQ_LEN} (sequence lengths are int32), got {seq_lens[i]}")
     if (block_counts < blocks_needed).any():
         i = _first(block_counts < blocks_needed)
         raise BatchError(
@@ -138,24 +126,20 @@ def host_batch(chunks: Sequence[RequestChunk], block_size: int,
     """Validate `chunks` (token ids below `vocab_size` when given) and lay them out."""
     if block_size < 1:
         raise BatchError(f"block_size must be >= 1, got {block_size}")
-    if len(chunks) == 0:
-        raise BatchError("a batch needs at least one RequestChunk, got none")
-    query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
-    computed = _integers([c.num_computed_tokens for c in chunks], "num_computed_tokens", chunks)
-    block_counts = np.fromiter((len(c.block_ids) for c in chunks), np.int64, len(chunks))
+    fields = read_chunks(chunks)
+    query_lens, computed, block_counts = (fields.query_lens, fields.num_computed_tokens,
+                                          fields.block_counts)
     seq_lens = computed + query_lens
     blocks_needed = -(-seq_lens // block_size)
-    _check_counts(query_lens, computed, block_counts, blocks_needed, seq_lens, block_size)
-
-    chain = itertools.chain.from_iterable
-    token_ids = _integers(list(chain(c.token_ids for c in chunks)), "token_ids", chunks)
-    all_blocks = _integers(list(chain(c.block_ids for c in chunks)), "block_ids", chunks)
+    _check_counts(query_lens, block_counts, blocks_needed, seq_lens, block_size)
     starts = np.cumsum(block_counts) - block_counts
     used = np.arange(int(blocks_needed.max()))
     in_use = used < blocks_needed[:, None]  # [R, W]: block j of request r is used
-    used_blocks = all_blocks[(starts[:, None] + used)[in_use]]
-    _check_values(chunks, token_ids, all_blocks, query_lens, block_counts, vocab_size)
-    return _lay_out(token_ids, query_lens, computed, seq_lens, used_blocks, in_use, block_size)
+    used_blocks = fields.block_ids[(starts[:, None] + used)[in_use]]
+    _check_values(chunks, fields.token_ids, fields.block_ids, query_lens, block_counts,
+                  vocab_size)
+    return _lay_out(fields.token_ids, query_lens, computed, seq_lens, used_blocks, in_use,
+                    block_size)
 
 
 def _lay_out(token_ids: np.ndarray, query_lens: np.ndarray, computed: np.ndarray,
@@ -212,9 +196,7 @@ def build_model_inputs(
     chunks: Sequence[RequestChunk], device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat `input_ids` and `positions` of a batch, in the same token order as its metadata."""
-    query_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, len(chunks))
-    computed = _integers([c.num_computed_tokens for c in chunks], "num_computed_tokens", chunks)
-    token_ids = _integers(list(itertools.chain.from_iterable(c.token_ids for c in chunks)),
-                          "token_ids", chunks)
-    _, positions = _positions(query_lens, computed, _query_start_loc(query_lens))
-    return torch.from_numpy(token_ids).to(device), torch.from_numpy(positions).to(device)
+    fields = read_chunks(chunks)
+    _, positions = _positions(fields.query_lens, fields.num_computed_tokens,
+                              _query_start_loc(fields.query_lens))
+    return torch.from_numpy(fields.token_ids).to(device), torch.from_numpy(positions).to(device)

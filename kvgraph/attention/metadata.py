@@ -14,6 +14,8 @@ import torch
 PADDING_SLOT = -1
 # Block tables are int32 (what device kernels take).
 MAX_BLOCK_ID = 2**31 - 1
+# Sequence lengths are int32 too.
+MAX_SEQ_LEN = 2**31 - 1
 
 
 def cdiv(a: int, b: int) -> int:

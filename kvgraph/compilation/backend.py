@@ -22,9 +22,10 @@ from kvgraph.compilation.debug import DebugDump
 from kvgraph.compilation.graph_wrapper import GraphWrapper
 from kvgraph.compilation.piece_compiler import make_piece_compiler
 from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
-from kvgraph.config import CompilationConfig, GraphMode
+from kvgraph.config import CompilationConfig, GraphMode, without_pieces
 from kvgraph.version import __version__
 from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_attention
+from passes.op_match import is_op_call
 
 logger = logging.getLogger(__name__)
 # Config fields that change no compiled artifact: the compile cache key leaves them out.
@@ -69,6 +70,7 @@ class KVGraphBackend:
         if not self.config.graph_mode.compiles:
             return gm
         start = time.perf_counter()
+        self._downgrade_if_nothing_splits(gm)
         values = _example_values(gm)
         if not token_symbols(values):
             logger.warning(
@@ -78,7 +80,7 @@ class KVGraphBackend:
                 "or kvgraph.ModelRunner, which do."
             )
         cache = self._compile_cache(gm)
-        dump = DebugDump(self.config.debug_dump_path) if self.config.debug_dump_path else None
+        dump = DebugDump.open(self.config.debug_dump_path) if self.config.debug_dump_path else None
         if dump:
             dump.json("config", dataclasses.asdict(self.config))
             dump.graph("dynamo", gm)
@@ -91,6 +93,18 @@ class KVGraphBackend:
         if self.config.graph_mode.has_full_graphs:
             compiled = GraphWrapper(compiled, GraphMode.FULL, "full", last=True)
         return compiled
+
+    def _downgrade_if_nothing_splits(self, gm: fx.GraphModule) -> None:
+        """Treat splitting ops that this graph never calls like none at all: otherwise attention
+        would run inside a piecewise graph, which freezes its metadata."""
+        config = self.config
+        if not config.graph_mode.has_piecewise_graphs:
+            return
+        if any(is_op_call(node, config.splitting_ops) for node in gm.graph.nodes):
+            return
+        mode = without_pieces(config.graph_mode, f"splitting_ops {list(config.splitting_ops)} "
+                              "match no op of the traced graph")
+        self.config = config.replace(splitting_ops=(), graph_mode=mode)
 
     def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None,
                  dump: DebugDump | None) -> Callable:

@@ -34,6 +34,23 @@ _FIELDS = (
 )
 
 
+def _layout(limits: StepLimits) -> tuple[dict, dict, int]:
+    """Each field's rows and byte offset in the packed buffer, and the buffer's size."""
+    blocks = cdiv(limits.max_model_len, limits.block_size)
+    rows = {"T": (limits.max_num_tokens,), "R": (limits.max_num_seqs,),
+            "R+1": (limits.max_num_seqs + 1,), "RxB": (limits.max_num_seqs, blocks)}
+    offsets, total = {}, 0
+    for name, dtype, kind in _FIELDS:
+        offsets[name] = total
+        total += -(-(math.prod(rows[kind]) * dtype.itemsize) // 8) * 8  # 8-byte aligned
+    return rows, offsets, total
+
+
+def buffer_bytes(limits: StepLimits, device: torch.device) -> int:
+    """What the persistent inputs of `limits` take on `device` (its workspace included)."""
+    return _layout(limits)[2] + (WORKSPACE_BYTES if device.type != "cpu" else 0)
+
+
 class InputBuffers:
     """Persistent step inputs on one device, written each step by one host-to-device copy.
 
@@ -47,12 +64,7 @@ class InputBuffers:
     def __init__(self, limits: StepLimits, device: torch.device):
         self.block_size = limits.block_size
         blocks = cdiv(limits.max_model_len, limits.block_size)
-        rows = {"T": (limits.max_num_tokens,), "R": (limits.max_num_seqs,),
-                "R+1": (limits.max_num_seqs + 1,), "RxB": (limits.max_num_seqs, blocks)}
-        offsets, total = {}, 0
-        for name, dtype, kind in _FIELDS:
-            offsets[name] = total
-            total += -(-(math.prod(rows[kind]) * dtype.itemsize) // 8) * 8  # 8-byte aligned
+        rows, offsets, total = _layout(limits)
         on_device = device.type != "cpu"
         self.device_bytes = torch.zeros(total, dtype=torch.uint8, device=device)
         self.host_bytes = (torch.zeros(total, dtype=torch.uint8, pin_memory=True) if on_device

@@ -37,8 +37,9 @@ from kvgraph.kv_cache.spec import allocate_kv_caches
 from kvgraph.runtime import model_claim
 from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.runtime.graphs import GraphSet, graph_key
-from kvgraph.runtime.input_buffers import InputBuffers
+from kvgraph.runtime.input_buffers import InputBuffers, buffer_bytes
 from kvgraph.runtime.platforms import get_platform
+from kvgraph.runtime.runner_args import check_fits, check_sizes
 from kvgraph.runtime.step import Step, StepLimits, plan_step
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class ModelRunner:
                  max_num_tokens: int | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, max_model_len: int | None = None,
                  attn_backend: str | None = None, vocab_size: int | None = None):
+        check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len, vocab_size=vocab_size)
         self._platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
         self.device = canonical_device(device)
         self.attn_backend = attn_backend or self._platform.attention_backend
@@ -95,6 +98,8 @@ class ModelRunner:
     def _bind_caches(self, model: nn.Module, dtype: torch.dtype) -> dict:
         layers = attention_layers(model)
         specs = kv_cache_specs(model, self.limits.block_size, dtype)
+        check_fits(self.device, sum(s.bytes_per_block for s in specs.values())
+                   * self.limits.num_blocks, buffer_bytes(self.limits, self.device))
         caches = allocate_kv_caches(specs, self.limits.num_blocks, self.device)
         self._claim = model_claim.claim(layers, self)  # before binding: never clobber another's
         try:
@@ -128,6 +133,19 @@ class ModelRunner:
         except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
             raise CompileError(f"compiling the model failed: {_root_cause(error)}") from error
         self._compiled = True
+        self._follow_compiled_mode()
+
+    def _follow_compiled_mode(self) -> None:
+        """Take the graph mode the backend fell back to when no splitting op was in the traced
+        graph, resolved for this attention backend, before any graph is captured."""
+        compiled = self._forward.backend.config
+        if compiled.splitting_ops or not self.config.splitting_ops:
+            return
+        mode = resolve_graph_mode(compiled.graph_mode, self._backend.graph_support,
+                                  self._backend.name, can_split=False)
+        self.config = self.config.replace(splitting_ops=(), graph_mode=mode)
+        self._dispatcher = Dispatcher(mode, self.config.capture_size_list,
+                                      self.limits.max_num_seqs, self._graphs.has)
 
     def capture(self) -> dict[str, Any]:
         """Compile if not yet done, then capture every graph the mode asks for, largest first.

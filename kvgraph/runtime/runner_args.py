@@ -1,0 +1,50 @@
+"""Checking a ModelRunner's sizes when it is built: types, ranges, and the memory they need.
+
+Every size is refused here, with a ConfigError naming it, rather than later by the allocator, a
+capture or an int32 index that wraps.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+
+from kvgraph.attention.metadata import MAX_BLOCK_ID, MAX_SEQ_LEN
+from kvgraph.config_checks import MAX_NUM_TOKENS
+from kvgraph.devices import memory_bytes
+from kvgraph.errors import ConfigError
+
+# Per size: the largest value int32 block tables, sequence lengths and offsets can hold.
+_UPPER = {"num_blocks": MAX_BLOCK_ID, "block_size": MAX_SEQ_LEN, "max_num_seqs": MAX_NUM_TOKENS,
+          "max_model_len": MAX_SEQ_LEN, "vocab_size": MAX_BLOCK_ID}
+
+
+def check_sizes(**sizes: Any) -> None:
+    """Refuse a size that is not an int in [1, its bound]; None is allowed for optional ones."""
+    for name, value in sizes.items():
+        if value is None and name in ("max_model_len", "vocab_size"):
+            continue
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ConfigError(name, f"{name}: expected an int >= 1, got {value!r} "
+                              f"({type(value).__name__})")
+        if value > _UPPER[name]:
+            raise ConfigError(name, f"{name}: expected at most {_UPPER[name]} (block tables, "
+                              f"sequence lengths and offsets are int32), got {value}")
+
+
+def check_fits(device: torch.device, kv_cache_bytes: int, buffer_bytes: int) -> None:
+    """Refuse caches and step buffers larger than all of `device`'s memory."""
+    capacity = memory_bytes(device)
+    if capacity is None or kv_cache_bytes + buffer_bytes <= capacity:
+        return
+    field = "num_blocks" if kv_cache_bytes >= buffer_bytes else "max_num_seqs"
+    raise ConfigError(field, f"the KV caches ({_gib(kv_cache_bytes)}: num_blocks x bytes per "
+                      f"block) and step buffers ({_gib(buffer_bytes)}: max_num_tokens, "
+                      f"max_num_seqs x max_model_len) need more than all of {device}'s memory "
+                      f"({_gib(capacity)}); lower {field}")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.3g} GiB"

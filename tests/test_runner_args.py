@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 import kvgraph
 from kvgraph import GraphMode, RequestChunk
@@ -15,6 +16,7 @@ from tests.scenario import CAPTURE_SIZES, assert_matches_eager, make_model
 SIZES = dict(num_blocks=16, block_size=4, max_num_seqs=2, max_num_tokens=8)
 
 BAD_RUNNER_ARGS = {
+    "dtype as a string": (dict(dtype="float16"), "dtype: expected a floating torch.dtype"),
     "max_num_seqs=0": (dict(max_num_seqs=0), "max_num_seqs: expected an int >= 1, got 0"),
     "max_num_seqs=1.5": (dict(max_num_seqs=1.5), r"max_num_seqs: expected an int >= 1, got 1.5 "
                                                  r"\(float\)"),
@@ -42,6 +44,14 @@ def test_a_bad_runner_argument_is_refused_when_built(case):
     # Nothing was claimed or bound: a runner with good arguments is built on the same model.
     runner = kvgraph.ModelRunner(model, config, **SIZES)
     assert runner.execute([RequestChunk([1, 2], 0, [3])]).shape[0] == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"], ids=["no index", "index 3"])
+def test_a_device_this_process_cannot_use_is_refused_naming_what_it_has(device):
+    with pytest.raises(kvgraph.PlatformError, match=f"device {device}: this process sees 0 cuda"):
+        kvgraph.ModelRunner(make_model("llama"), kvgraph.CompilationConfig(graph_mode="eager"),
+                            device=device, **SIZES)
 
 
 @pytest.mark.parametrize("field", ["cache_dir", "debug_dump_path"])

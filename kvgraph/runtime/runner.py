@@ -39,7 +39,7 @@ from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.runtime.graphs import GraphSet, graph_key
 from kvgraph.runtime.input_buffers import InputBuffers, buffer_bytes
 from kvgraph.runtime.platforms import get_platform
-from kvgraph.runtime.runner_args import check_fits, check_sizes
+from kvgraph.runtime.runner_args import check_device, check_dtype, check_fits, check_sizes
 from kvgraph.runtime.step import Step, StepLimits, plan_step
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,9 @@ class ModelRunner:
                  attn_backend: str | None = None, vocab_size: int | None = None):
         check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, vocab_size=vocab_size)
+        check_dtype(dtype)
         self._platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
+        check_device(device)
         self.device = canonical_device(device)
         self.attn_backend = attn_backend or self._platform.attention_backend
         self._backend = get_attention_backend(self.attn_backend, self.device)

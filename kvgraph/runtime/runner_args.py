@@ -14,7 +14,7 @@ import torch
 from kvgraph.attention.metadata import MAX_BLOCK_ID, MAX_SEQ_LEN
 from kvgraph.config_checks import MAX_NUM_TOKENS
 from kvgraph.devices import memory_bytes
-from kvgraph.errors import ConfigError
+from kvgraph.errors import ConfigError, PlatformError
 
 # Per size: the largest value int32 block tables, sequence lengths and offsets can hold.
 _UPPER = {"num_blocks": MAX_BLOCK_ID, "block_size": MAX_SEQ_LEN, "max_num_seqs": MAX_NUM_TOKENS,
@@ -48,3 +48,23 @@ def check_fits(device: torch.device, kv_cache_bytes: int, buffer_bytes: int) -> 
 
 def _gib(size: int) -> str:
     return f"{size / 2**30:.3g} GiB"
+
+
+def check_device(device: torch.device | str) -> None:
+    """Refuse an accelerator this process cannot use, naming what it has."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return
+    module = getattr(torch, device.type, None)
+    available = module is not None and module.is_available()
+    count = module.device_count() if available else 0
+    if not available or (device.index is not None and device.index >= count):
+        raise PlatformError(f"device {device}: this process sees {count} {device.type} "
+                            f"device(s) (torch {torch.__version__}); use one of them or 'cpu'")
+
+
+def check_dtype(dtype: Any) -> None:
+    """Refuse a KV cache dtype that is not a floating torch.dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ConfigError("dtype", f"dtype: expected a floating torch.dtype such as "
+                          f"torch.bfloat16 (or None: the model's), got {dtype!r}")

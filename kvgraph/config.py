@@ -16,14 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from kvgraph import config_checks as checks
+import kvgraph.config_checks as checks
 from kvgraph.attention.op_names import ATTENTION_OPS
 from kvgraph.cache_dir import check_cache_dir
+from kvgraph.config_checks import (  # noqa: F401
+    ON_COMPILE_ERROR,
+    PASSES,
+    PIECE_COMPILERS,
+    TORCH_COMPILE_MODES,
+)
 from kvgraph.config_sources import build, env_settings
 from kvgraph.errors import ConfigError
 from passes.op_match import op_exists
-from kvgraph.config_checks import (ON_COMPILE_ERROR, PASSES, PIECE_COMPILERS,  # noqa: F401
-                                    TORCH_COMPILE_MODES)
 
 DEFAULT_MAX_NUM_TOKENS = 512  # the batch bound where max_num_tokens is unset and no runner sets it
 MAX_DEFAULT_CAPTURE_SIZE = 512  # the largest default capture size (see capture_size_list)
@@ -197,7 +201,9 @@ class CompilationConfig:
     def from_cli_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None
                       ) -> CompilationConfig:
         """A config from `add_cli_args` flags; flags not given fall back to the environment."""
-        from kvgraph.config_flags import flag_settings  # config_flags is built on this module
+        from kvgraph.config_flags import (
+            flag_settings,  # config_flags is built on this module
+        )
         given = env_settings(_FIELD_NAMES, os.environ if environ is None else environ)
         return build(cls, {**given, **flag_settings(args)})
 

@@ -14,7 +14,12 @@ import numpy as np
 import torch
 
 from kvgraph.attention.chunk_fields import read_chunks
-from kvgraph.attention.metadata import MAX_BLOCK_ID, MAX_SEQ_LEN, AttentionMetadata, RequestChunk
+from kvgraph.attention.metadata import (
+    MAX_BLOCK_ID,
+    MAX_SEQ_LEN,
+    AttentionMetadata,
+    RequestChunk,
+)
 from kvgraph.errors import BatchError
 
 

@@ -16,7 +16,12 @@ import torch
 from torch import fx
 
 from kvgraph.attention.op_names import ATTENTION_OPS
-from kvgraph.compilation.cache import CompileCache, digest, graph_fingerprint, source_files_digest
+from kvgraph.compilation.cache import (
+    CompileCache,
+    digest,
+    graph_fingerprint,
+    source_files_digest,
+)
 from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.debug import DebugDump
 from kvgraph.compilation.graph_wrapper import GraphWrapper
@@ -24,7 +29,12 @@ from kvgraph.compilation.piece_compiler import make_piece_compiler
 from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
 from kvgraph.config import CompilationConfig, GraphMode, without_pieces
 from kvgraph.version import __version__
-from passes import REGISTERED_PASSES, InplaceAttentionPass, PassManager, split_at_attention
+from passes import (
+    REGISTERED_PASSES,
+    InplaceAttentionPass,
+    PassManager,
+    split_at_attention,
+)
 from passes.op_match import is_op_call
 
 logger = logging.getLogger(__name__)

@@ -39,7 +39,12 @@ from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.runtime.graphs import GraphSet, graph_key
 from kvgraph.runtime.input_buffers import InputBuffers, buffer_bytes
 from kvgraph.runtime.platforms import get_platform
-from kvgraph.runtime.runner_args import check_device, check_dtype, check_fits, check_sizes
+from kvgraph.runtime.runner_args import (
+    check_device,
+    check_dtype,
+    check_fits,
+    check_sizes,
+)
 from kvgraph.runtime.step import Step, StepLimits, plan_step
 
 logger = logging.getLogger(__name__)

@@ -7,6 +7,14 @@ a chat template), both streaming over server-sent events with `"stream": true`; 
 /v1/models and /metrics (Prometheus). The engine loop runs in one background thread; handlers
 only queue requests and await their tokens. Needs the `serve` extra (fastapi, uvicorn,
 prometheus-client, safetensors, tokenizers, jinja2).
+
+Limits (their values in --help; constants of examples/engine/json_body.py): a request body
+over MAX_BODY_MIB is a 413; one that nests arrays and objects deeper than MAX_JSON_DEPTH
+levels, holds a lone surrogate in any string, or a number that is not finite, an integer
+outside int64 or a bool where a number belongs, is a 400 naming the field. Streamed or not,
+the status is sent once the request has its first token, so a request refused or failed that
+early gets a real 4xx or 500. A failure while serving one request fails it alone (500), never
+the others in flight. /metrics counts every response by endpoint and status, 500s included.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -29,23 +37,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvgraph import CompileError
 
 if __package__:
-    from .engine import AsyncEngine, RequestError, RequestOutput, add_engine_args, build_engine
-    from .engine.metrics import ServerMetrics
-    from .engine.protocol import GenerationRequest, ResponseFormat, error_body, parse_chat
-    from .engine.protocol import parse_completion, parse_json
+    from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
+    from .engine import build_engine
+    from .engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
+    from .engine.metrics import CountResponses, ServerMetrics
+    from .engine.protocol import ResponseFormat, error_body, parse_chat, parse_completion
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
-    from engine import AsyncEngine, RequestError, RequestOutput, add_engine_args, build_engine
-    from engine.metrics import ServerMetrics
-    from engine.protocol import GenerationRequest, ResponseFormat, error_body, parse_chat
-    from engine.protocol import parse_completion, parse_json
+    from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
+    from engine import build_engine
+    from engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
+    from engine.metrics import CountResponses, ServerMetrics
+    from engine.protocol import ResponseFormat, error_body, parse_chat, parse_completion
     from models import DeepseekMLA, Llama
 
 # "deepseek_mla" is the name earlier versions of this demo used.
 MODELS = {"llama": Llama, "mla": DeepseekMLA, "deepseek_mla": DeepseekMLA}
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-# answer(endpoint, status, body): a JSON response, counted in the metrics.
-Answer = Callable[[str, int, dict[str, Any]], JSONResponse]
+ENDPOINTS = (COMPLETIONS, CHAT, "/health", "/v1/models", "/metrics")
+LIMITS = (f"limits: request bodies up to {MAX_BODY_MIB} MiB (413 past it); JSON nested up to "
+          f"{MAX_JSON_DEPTH} levels; numbers finite, integers within int64, strings valid "
+          "Unicode (400 naming the field otherwise)")
 logger = logging.getLogger("examples.serve")
 
 
@@ -58,41 +70,40 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         yield
         engine.stop()
 
-    app = FastAPI(title="kvgraph example server", lifespan=lifespan)
+    app = FastAPI(title="kvgraph example server", lifespan=lifespan,
+                  exception_handlers={Exception: _internal_error})
     metrics = ServerMetrics(engine)
+    app.add_middleware(CountResponses, counter=metrics.requests, endpoints=ENDPOINTS)
     tokenizer = engine.engine.tokenizer
 
-    def answer(endpoint: str, status: int, body: dict[str, Any]) -> JSONResponse:
-        metrics.requests.labels(endpoint, str(status)).inc()
-        return JSONResponse(body, status_code=status)
-
-    async def generate(endpoint: str, http: Request, chat: bool) -> Response:
+    async def generate(http: Request, chat: bool) -> Response:
+        fmt = ResponseFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
+                             chat)
         try:
-            body = parse_json(await http.body())
+            body = parse_json(await read_body(http))
             parsed = (parse_chat if chat else parse_completion)(body, tokenizer)
             engine.check(parsed.prompt_token_ids, parsed.params)
-        except RequestError as error:
-            return answer(endpoint, 400, error_body(str(error), error.param))
-        prefix = "chatcmpl" if chat else "cmpl"
-        fmt = ResponseFormat(f"{prefix}-{uuid.uuid4().hex}", model_name, chat)
-        outputs = engine.generate(fmt.request_id, parsed.prompt_token_ids, parsed.params)
+            outputs = engine.generate(fmt.request_id, parsed.prompt_token_ids, parsed.params)
+            first = await anext(outputs)  # before any header: a refusal is a real status
+        except (RequestError, RequestFailed) as error:
+            return _error(error)
+        outputs = _resume(first, outputs)
         if parsed.stream:
-            metrics.requests.labels(endpoint, "200").inc()
             return StreamingResponse(_events(outputs, fmt, metrics),
                                      media_type="text/event-stream")
-        return await _collect(endpoint, outputs, fmt, parsed, metrics, answer, http)
+        return await _collect(outputs, fmt, len(parsed.prompt_token_ids), metrics, http)
 
     @app.post(COMPLETIONS)
     async def completions(http: Request) -> Response:
-        return await generate(COMPLETIONS, http, chat=False)
+        return await generate(http, chat=False)
 
     @app.post(CHAT)
     async def chat_completions(http: Request) -> Response:
         if tokenizer.chat_template is None:
-            return answer(CHAT, 404, error_body(
+            return JSONResponse(error_body(
                 "this model has no chat template (tokenizer_config.json 'chat_template'); "
-                f"use {COMPLETIONS}", None, "not_found_error"))
-        return await generate(CHAT, http, chat=True)
+                f"use {COMPLETIONS}", None, "not_found_error"), status_code=404)
+        return await generate(http, chat=True)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -114,9 +125,32 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     return app
 
 
-async def _collect(endpoint: str, outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
-                   parsed: GenerationRequest, metrics: ServerMetrics, answer: Answer,
-                   http: Request) -> Response:
+def _error(error: RequestError | RequestFailed) -> JSONResponse:
+    """A refused request's status (naming the field), or 500 for one the engine failed."""
+    if isinstance(error, RequestError):
+        return JSONResponse(error_body(str(error), error.param), status_code=error.status)
+    return JSONResponse(error_body(str(error), None, "server_error"), status_code=500)
+
+
+async def _internal_error(http: Request, error: Exception) -> JSONResponse:
+    """An unhandled exception's 500, as JSON (the traceback goes to the log, not the client)."""
+    return JSONResponse(error_body(f"internal server error ({type(error).__name__})", None,
+                                   "server_error"), status_code=500)
+
+
+async def _resume(first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+                  ) -> AsyncIterator[RequestOutput]:
+    """`outputs` with `first`, already taken from it, back in front; closing it closes them."""
+    try:
+        yield first
+        async for output in outputs:
+            yield output
+    finally:
+        await outputs.aclose()
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
+                   prompt_tokens: int, metrics: ServerMetrics, http: Request) -> Response:
     """A non-streaming answer: every output of the request, joined.
 
     A client that disconnects is noticed at its request's next token: closing `outputs` then
@@ -131,27 +165,25 @@ async def _collect(endpoint: str, outputs: AsyncIterator[RequestOutput], fmt: Re
             if not output.finish_reason and await http.is_disconnected():
                 await outputs.aclose()
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-    except RequestError as error:  # refused by the engine thread (checked there once more)
-        return answer(endpoint, 400, error_body(str(error), error.param))
-    except RuntimeError as error:  # the engine step failed
-        return answer(endpoint, 500, error_body(str(error), None, "server_error"))
-    return answer(endpoint, 200, fmt.response("".join(texts), last.finish_reason,
-                                              len(parsed.prompt_token_ids),
-                                              last.num_output_tokens))
+    except RequestFailed as error:
+        return _error(error)
+    return JSONResponse(fmt.response("".join(texts), last.finish_reason, prompt_tokens,
+                                     last.num_output_tokens))
 
 
 async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
                   metrics: ServerMetrics) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token, then `[DONE]`.
 
-    A client that disconnects ends this generator; closing `outputs` then aborts the request
-    in the engine, which frees its blocks before the next step.
+    A failure after the first token can only be told in the stream, as an error event. A
+    client that disconnects ends this generator; closing `outputs` then aborts the request in
+    the engine, which frees its blocks before the next step.
     """
     try:
         async for output in outputs:
             metrics.observe(output)
             yield f"data: {json.dumps(fmt.chunk(output.text, output.finish_reason))}\n\n"
-    except (RequestError, RuntimeError) as error:
+    except RequestFailed as error:
         yield f"data: {json.dumps(error_body(str(error), None, 'server_error'))}\n\n"
     finally:
         await outputs.aclose()
@@ -190,7 +222,7 @@ def model_name(args: argparse.Namespace) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=LIMITS)
     add_engine_args(parser, preset="small")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -202,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         engine, _ = build_engine(args, MODELS)  # logs the compile and capture summary
-    except CompileError as error:  # before serving: a server that cannot compile never starts
+    # Before serving: a server that cannot load or compile its model never starts.
+    except (CompileError, FileNotFoundError, NotImplementedError, ValueError) as error:
         logger.error("not serving: %s", error)
         raise SystemExit(1) from None
     app = build_app(AsyncEngine(engine), model_name(args))

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +89,18 @@ def test_unsupported_or_incomplete_checkpoints_are_clear_errors(checkpoint, tmp_
         load_checkpoint(tmp_path, MODELS, torch.float32, "cpu")
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_checkpoint(tmp_path, MODELS, torch.float32, "cpu")
+
+
+def test_a_missing_or_unreadable_tokenizer_is_an_error_naming_the_file(checkpoint, tmp_path):
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(checkpoint / name, tmp_path / name)
+    file = tmp_path / "tokenizer.json"
+    with pytest.raises(FileNotFoundError, match=f"checkpoint: {re.escape(str(file))} is missing"):
+        load_checkpoint(tmp_path, MODELS, torch.float32, "cpu")
+    file.write_text('{"model": "not a tokenizer"}')
+    with pytest.raises(ValueError, match=f"checkpoint: {re.escape(str(file))} is not a "
+                       "tokenizer"):
         load_checkpoint(tmp_path, MODELS, torch.float32, "cpu")
 
 

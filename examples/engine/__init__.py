@@ -7,7 +7,7 @@ template (jinja2) and the server's packages are imported when first needed.
 from .async_engine import AsyncEngine
 from .engine import LLMEngine
 from .engine_args import add_engine_args, build_engine
-from .errors import RequestError
+from .errors import RequestError, RequestFailed
 from .request import Completion, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -18,6 +18,7 @@ __all__ = [
     "LLMEngine",
     "Request",
     "RequestError",
+    "RequestFailed",
     "RequestOutput",
     "SamplingParams",
     "add_engine_args",

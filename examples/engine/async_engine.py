@@ -10,6 +10,7 @@ import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from .engine import LLMEngine
+from .errors import RequestError, RequestFailed
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -24,7 +25,8 @@ class AsyncEngine:
 
     Callers never touch the engine: they put commands (add, abort) on a queue, which the loop
     thread applies between steps, so the scheduler and its blocks have a single owner. Each
-    request's outputs come back through an asyncio queue of the caller's loop.
+    request's outputs come back through an asyncio queue of the caller's loop; a request the
+    engine refuses raises RequestError there, one it fails raises RequestFailed.
     """
 
     def __init__(self, engine: LLMEngine):
@@ -92,8 +94,12 @@ class AsyncEngine:
              loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
         try:
             self.engine.add_request(prompt_token_ids, params, request_id)
-        except ValueError as error:
+        except RequestError as error:
             _deliver(loop, outputs, error)
+            return
+        except Exception as error:  # the loop thread must outlive any request
+            logger.exception("adding request %s failed", request_id)
+            _deliver(loop, outputs, RequestFailed(f"adding the request failed: {error}"))
             return
         self._streams[request_id] = (loop, outputs)
 
@@ -104,16 +110,16 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as error:  # a failed step fails its requests, not the server
+        except Exception as error:  # a bug in the engine itself: fail its requests, not the server
             logger.exception("engine step failed; aborting every request in flight")
             for request_id, (loop, stream) in list(self._streams.items()):
-                _deliver(loop, stream, RuntimeError(f"engine step failed: {error}"))
+                _deliver(loop, stream, RequestFailed(f"engine step failed: {error}"))
                 self._abort(request_id)
             return
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                _deliver(*stream, output)
+                _deliver(*stream, output if output.error is None else RequestFailed(output.error))
             if output.finished:
                 self._streams.pop(output.request_id, None)
 

@@ -39,13 +39,18 @@ def model_kind(config: Mapping[str, Any]) -> str:
         f"supported: {sorted(ARCHITECTURES)}")
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every `*.safetensors` file in `path` (sharded checkpoints included)."""
-    from safetensors.torch import load_file
-
+def safetensors_files(path: Path) -> list[Path]:
+    """The `*.safetensors` files of `path` (several for a sharded checkpoint); at least one."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"checkpoint: no *.safetensors file in {path}")
+    return files
+
+
+def read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of every file."""
+    from safetensors.torch import load_file
+
     state_dict: dict[str, torch.Tensor] = {}
     for file in files:
         state_dict.update(load_file(file))
@@ -58,7 +63,9 @@ def load_checkpoint(path: str | Path, models: Mapping[str, Any], dtype: torch.dt
     path = Path(path)
     config = _read_json(path / "config.json")
     model_class = models[model_kind(config)]
-    model = model_class.from_hf(config, read_state_dict(path), dtype=dtype, device=device)
     # generation_config.json's end-of-sequence ids take precedence over config.json's.
     generation = {**config, **_read_json(path / "generation_config.json", required=False)}
-    return model, HFTokenizer.from_dir(path, generation)
+    files = safetensors_files(path)
+    tokenizer = HFTokenizer.from_dir(path, generation)  # before the weights, which take longer
+    model = model_class.from_hf(config, read_state_dict(files), dtype=dtype, device=device)
+    return model, tokenizer

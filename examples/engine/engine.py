@@ -5,13 +5,18 @@ it: the scheduler and its block allocator, sampling, stopping and detokenizing. 
 the runner's (`runner.limits`: blocks, block size, requests and tokens per step, context), so
 the two cannot disagree. It is not thread-safe: one thread (the server's engine loop, or the
 offline caller) drives it.
+
+A failure while serving one request ends that request alone, with an error; see `step`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any, Sequence
+
+import torch
 
 import kvgraph
 
@@ -21,7 +26,11 @@ from .errors import RequestError
 from .request import Completion, FinishReason, Request, RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledChunk, Scheduler
+
+logger = logging.getLogger(__name__)
+# A sampled token, or the error sampling it raised.
+Sampled = int | Exception
 
 
 class LLMEngine:
@@ -45,6 +54,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_aborted = 0
+        self.num_failed = 0
+        self.num_step_retries = 0
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a request that could never run; safe from any thread."""
@@ -95,24 +106,91 @@ class LLMEngine:
         return self.scheduler.has_work
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch through the model; one output per request that got a new token."""
+        """Run one batch through the model; one output per request that got a token or failed.
+
+        Faults stay with their request. A batch whose model step raises runs again one request
+        at a time: the requests that fail alone too end with an error, the others go on (when
+        every one fails alone, the step itself is broken and they all end, saying so). An
+        error sampling or detokenizing a request ends that request only. Every request that
+        ends this way frees its blocks at once.
+        """
         schedule = self.scheduler.schedule()
         if not schedule.chunks:
             return []
-        logits = self.runner.execute([c.request.chunk(c.num_tokens) for c in schedule.chunks])
+        ran, outputs = self._forward(schedule.chunks)
         self.num_steps += 1
         rows, ready = [], []
-        for row, chunk in enumerate(schedule.chunks):
+        for chunk, row in ran:
             chunk.request.num_computed_tokens += chunk.num_tokens
             # A prefill chunk that stops short of the prompt's end has no next token to sample.
             if chunk.request.num_uncomputed_tokens == 0:
                 rows.append(row)
                 ready.append(chunk.request)
-        if not ready:
-            return []
-        tokens = self.sampler(logits[rows], ready)
-        now = time.perf_counter()
-        return [self._append(request, token, now) for request, token in zip(ready, tokens)]
+        if ready:
+            now = time.perf_counter()
+            tokens = self._sample(torch.stack(rows), ready)
+            outputs += [self._emit(request, token, now) for request, token in zip(ready, tokens)]
+        return outputs
+
+    def _forward(self, chunks: list[ScheduledChunk]
+                 ) -> tuple[list[tuple[ScheduledChunk, torch.Tensor]], list[RequestOutput]]:
+        """Each chunk that ran, with its logits row; the outputs of the requests that failed."""
+        try:
+            return list(zip(chunks, self._execute(chunks))), []
+        except Exception as error:  # noqa: BLE001 - whose fault it is, is found below
+            logger.warning("a model step of %d requests failed (%s: %s); running each alone",
+                           len(chunks), type(error).__name__, error)
+        self.num_step_retries += 1
+        # Running a chunk again is safe: it rewrites the same cache slots with the same values.
+        ran, failed = [], []
+        for chunk in chunks:
+            try:
+                ran.append((chunk, self._execute([chunk])[0]))
+            except Exception as error:  # noqa: BLE001 - this request's fault
+                failed.append((chunk.request, error))
+        what = ("the model step failed for this request, in its batch and alone"
+                if ran or len(chunks) == 1 else
+                f"the model step failed for all {len(chunks)} requests of its batch and for "
+                "each alone: it is broken, not one request")
+        return ran, [self._fail(request, what, error) for request, error in failed]
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The model step of `chunks`: their logits, one row each."""
+        return self.runner.execute([c.request.chunk(c.num_tokens) for c in chunks])
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
+        """One token per request, all at once; if that raises, each alone, to find whose."""
+        try:
+            return self.sampler(logits, requests)
+        except Exception:  # noqa: BLE001 - whose fault it is, is found below
+            sampled: list[Sampled] = []
+            for row, request in zip(logits, requests):
+                try:
+                    sampled += self.sampler(row[None], [request])
+                except Exception as error:  # noqa: BLE001 - this request's fault
+                    sampled.append(error)
+            return sampled
+
+    def _emit(self, request: Request, token: Sampled, now: float) -> RequestOutput:
+        """The request's output for its sampled token, or its failure."""
+        if isinstance(token, Exception):
+            return self._fail(request, "sampling failed", token)
+        try:
+            return self._append(request, token, now)
+        except Exception as error:  # noqa: BLE001 - a tokenizer's error is this request's
+            return self._fail(request, "detokenizing failed", error)
+
+    def _fail(self, request: Request, what: str, error: Exception) -> RequestOutput:
+        """End `request` with an error and free its blocks; the others in flight go on."""
+        logger.error("request %s: %s", request.request_id, what, exc_info=error)
+        request.error = f"{what}: {type(error).__name__}: {error}"
+        request.finish_reason = FinishReason.ABORT
+        self.requests.pop(request.request_id, None)  # _append may have taken it out already
+        self.scheduler.remove(request)
+        self.num_failed += 1
+        return RequestOutput(request.request_id, (), "", len(request.prompt_token_ids),
+                             len(request.output_token_ids), FinishReason.ABORT,
+                             error=request.error)
 
     def _append(self, request: Request, token: int, now: float) -> RequestOutput:
         first = not request.output_token_ids
@@ -152,7 +230,7 @@ class LLMEngine:
             self.step()
         return [
             Completion(r.request_id, tuple(r.prompt_token_ids), tuple(r.output_token_ids),
-                       r.detokenizer.text, r.finish_reason)
+                       r.detokenizer.text, r.finish_reason, r.error)
             for r in requests
         ]
 
@@ -163,6 +241,8 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             "aborted": self.num_aborted,
+            "failed": self.num_failed,
+            "step_retries": self.num_step_retries,
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_free": self.allocator.num_free,
             "steps": self.num_steps,

@@ -1,4 +1,4 @@
-"""The one error a request can be refused with: which field is wrong, and why."""
+"""The errors a request can end with: refused (which field is wrong, and why), or failed."""
 
 from __future__ import annotations
 
@@ -6,9 +6,21 @@ from __future__ import annotations
 class RequestError(ValueError):
     """A request the engine cannot serve as asked; `param` names the offending field.
 
-    The server answers it with HTTP 400 and the message; it never reaches the model.
+    The server answers it with HTTP `status` (400) and the message; it never reaches the model.
     """
+
+    status = 400
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class BodyTooLarge(RequestError):
+    """A request body over the server's size limit (HTTP 413)."""
+
+    status = 413
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed while serving this request (not the others in flight): HTTP 500."""

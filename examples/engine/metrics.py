@@ -6,7 +6,7 @@ registry, so several can live in one process (tests start one per graph mode).
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Collection, Iterator, MutableMapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -20,6 +20,12 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # How runner.stats() names steps that ran without graphs.
 NO_GRAPH_MODE = "none"
+# The endpoint label of paths the server does not serve: one label, however many paths.
+OTHER_ENDPOINT = "other"
+# ASGI's callables, typed loosely: the middleware only reads two keys of what passes through.
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[[Message, Callable[[], Awaitable[Message]],
+                    Callable[[Message], Awaitable[None]]], Awaitable[None]]
 
 
 class ServerMetrics:
@@ -73,6 +79,10 @@ class EngineCollector(Collector):
         yield _counter("kvgraph_preemptions", "Requests preempted for blocks", stats["preemptions"])
         yield _counter("kvgraph_requests_aborted", "Requests aborted (client gone)",
                        stats["aborted"])
+        yield _counter("kvgraph_requests_failed", "Requests the engine failed (their own "
+                       "fault, or a broken step)", stats["failed"])
+        yield _counter("kvgraph_engine_step_retries", "Failed batches run again one request "
+                       "at a time", stats["step_retries"])
         yield _counter("kvgraph_engine_steps", "Model steps run", stats["steps"])
         steps = CounterMetricFamily("kvgraph_steps_by_graph", "Steps by runtime mode and "
                                     "batch descriptor", labels=["mode", "descriptor"])
@@ -99,3 +109,37 @@ def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)
+
+
+class CountResponses:
+    """ASGI middleware: counts every HTTP response by endpoint and status.
+
+    It sits inside Starlette's outermost error middleware, so an unhandled exception reaches
+    it before it becomes a 500: that 500 is counted here, like every answer a handler gives.
+    """
+
+    def __init__(self, app: ASGIApp, counter: Counter, endpoints: Collection[str]):
+        self.app = app
+        self.counter = counter
+        self.endpoints = endpoints
+
+    async def __call__(self, scope: Message, receive: Callable[[], Awaitable[Message]],
+                       send: Callable[[Message], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.endpoints else OTHER_ENDPOINT
+        started = False
+
+        async def counted(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.counter.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except Exception:
+            if not started:  # the error middleware outside answers 500
+                self.counter.labels(endpoint, "500").inc()
+            raise

@@ -1,19 +1,22 @@
 """The OpenAI-style HTTP protocol: request bodies checked into engine inputs, and responses.
 
-Plain Python (no web framework): every field is checked for its type and range here, and a
-bad one is a `RequestError` naming it, which the server answers with HTTP 400.
+Plain Python (no web framework): every field is checked for its type here (numbers finite,
+integers within int64, bools never numbers) and for its range by `SamplingParams`; a bad one
+is a `RequestError` naming it, which the server answers with HTTP 400. The body as a whole
+(size, nesting, Unicode) is checked before, by `json_body.parse_json`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import RequestError
 from .request import FinishReason
-from .sampling_params import SamplingParams
+from .sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 # OpenAI's default when a request gives no max_tokens.
 DEFAULT_MAX_TOKENS = 16
@@ -28,24 +31,20 @@ class GenerationRequest:
     stream: bool
 
 
-def parse_json(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object."""
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError("body", f"the request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise RequestError("body", f"the request body must be a JSON object, got "
-                           f"{type(body).__name__}")
-    return body
-
-
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (not a bool) that fits in int64, as every integer the engine holds must."""
+    return isinstance(value, int) and not isinstance(value, bool) and (
+        INT64_MIN <= value <= INT64_MAX)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite number (not a bool); JSON's 1e400 parses to inf, and 10**400 has no float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -58,17 +57,21 @@ def _is_stop(value: Any) -> bool:
 
 
 # field -> (check, what it must be). Absent and null fields take SamplingParams' defaults.
+_INT = "an integer in [-2**63, 2**63)"
+_NO_PENALTY = (lambda v: _is_number(v) and v == 0, "0 (this engine applies no penalties)")
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "max_tokens": (_is_int, "an integer"),
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "top_k": (_is_int, "an integer"),
-    "seed": (_is_int, "an integer"),
+    "max_tokens": (_is_int, _INT),
+    "temperature": (_is_number, "a finite number"),
+    "top_p": (_is_number, "a finite number"),
+    "top_k": (_is_int, _INT),
+    "seed": (_is_int, _INT),
     "stop": (_is_stop, "a string or a list of strings"),
     "stream": (lambda v: isinstance(v, bool), "a boolean"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "model": (lambda v: isinstance(v, str), "a string"),
-    "n": (lambda v: v == 1 and _is_int(v), "1 (one choice per request)"),
+    "n": (lambda v: _is_int(v) and v == 1, "1 (one choice per request)"),
+    "presence_penalty": _NO_PENALTY,
+    "frequency_penalty": _NO_PENALTY,
 }
 
 
@@ -78,8 +81,14 @@ def _field(body: dict[str, Any], name: str, default: Any = None) -> Any:
         return default
     check, expected = _FIELDS[name]
     if not check(value):
-        raise RequestError(name, f"{name} must be {expected}, got {json.dumps(value)}")
+        raise RequestError(name, f"{name} must be {expected}, got {_shown(value)}")
     return value
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """`value` as JSON for an error message, cut to `limit` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _sampling_params(body: dict[str, Any]) -> SamplingParams:
@@ -109,7 +118,7 @@ def parse_completion(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
         prompt_token_ids = prompt
     else:
         raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list "
-                           f"of token ids, got {json.dumps(prompt)[:80]}")
+                           f"of token ids, got {_shown(prompt)}")
     return GenerationRequest(prompt_token_ids, _sampling_params(body), _field(body, "stream",
                                                                               False))
 

@@ -18,7 +18,7 @@ class FinishReason(str, enum.Enum):
 
     LENGTH = "length"  # max_tokens reached
     STOP = "stop"  # a stop string, a stop token or end-of-sequence
-    ABORT = "abort"  # the client went away, or the engine failed
+    ABORT = "abort"  # the client went away, or the engine failed (then the output has `error`)
 
 
 @dataclass(eq=False)  # compared by identity: two requests are never the same request
@@ -42,6 +42,7 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     last_token_time: float | None = None
+    error: str | None = None  # why the engine failed it, when it did
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +69,8 @@ class RequestOutput:
 
     `text` is the new text (possibly empty while a character or a possible stop string is
     incomplete). `ttft` is set on the first token (seconds since arrival), `itl` on the later
-    ones (seconds since the previous token).
+    ones (seconds since the previous token). A request the engine failed ends with an output
+    that has no token, finish reason ABORT, and `error`.
     """
 
     request_id: str
@@ -79,6 +81,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     ttft: float | None = None
     itl: float | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,3 +97,4 @@ class Completion:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: FinishReason
+    error: str | None = None

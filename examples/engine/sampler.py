@@ -42,7 +42,7 @@ class Sampler:
         vocab = logits.shape[1]
         params = [r.params for r in requests]
         # Greedy rows are sampled too (at temperature 1) and then ignored: no per-row branches.
-        temperature = column([p.temperature or 1.0 for p in params])
+        temperature = column([1.0 if p.greedy else p.temperature for p in params])
         top_k = column([p.top_k or vocab for p in params])
         top_p = column([p.top_p for p in params])
         sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import RequestError
+
+# The integers a torch tensor or generator seed holds: anything wider overflows at sample time.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+# Below this temperature sampling is greedy: dividing float32 logits by less overflows them.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping settings.
 
-    `temperature=0` is greedy. `top_k=0` and `top_p=1` switch those filters off. `seed` gives
-    the request its own random stream, so a seeded request samples the same tokens whatever
-    else is in its batches. Generation stops after `max_tokens` tokens, at the first of
-    `stop` strings (left out of the text), at a `stop_token_ids` token, or at the tokenizer's
-    end-of-sequence token unless `ignore_eos`.
+    `temperature` below 1e-5 (0 included) is greedy. `top_k=0` and `top_p=1` switch those
+    filters off. `seed` gives the request its own random stream, so a seeded request samples
+    the same tokens whatever else is in its batches. Generation stops after `max_tokens`
+    tokens, at the first of `stop` strings (left out of the text), at a `stop_token_ids`
+    token, or at the tokenizer's end-of-sequence token unless `ignore_eos`. Numbers must be
+    finite, and integers fit in int64.
     """
 
     max_tokens: int = 16
@@ -31,10 +38,13 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         checks = [
-            ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_k", self.top_k >= 0, "must be >= 0 (0 switches it off)"),
-            ("top_p", 0 < self.top_p <= 1, "must lie in (0, 1]"),
+            ("max_tokens", 1 <= self.max_tokens <= INT64_MAX, "must lie in [1, 2**63)"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0,
+             "must be finite and >= 0"),
+            ("top_k", 0 <= self.top_k <= INT64_MAX, "must lie in [0, 2**63) (0 switches it off)"),
+            ("top_p", math.isfinite(self.top_p) and 0 < self.top_p <= 1, "must lie in (0, 1]"),
+            ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
+             "must lie in [-2**63, 2**63)"),
             ("stop", all(self.stop), "must not contain an empty string"),
         ]
         for name, ok, rule in checks:
@@ -43,4 +53,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE

@@ -46,7 +46,15 @@ class HFTokenizer:
     def from_dir(cls, path: Path, generation_config: Mapping[str, Any]) -> HFTokenizer:
         from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        file = path / "tokenizer.json"
+        if not file.is_file():  # the library's own error names no file
+            raise FileNotFoundError(f"checkpoint: {file} is missing (the tokenizer: only "
+                                    "Hugging Face fast tokenizers, tokenizer.json, are read)")
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as error:  # noqa: BLE001 - the library raises a bare Exception
+            raise ValueError(f"checkpoint: {file} is not a tokenizer the `tokenizers` library "
+                             f"can read: {error}") from None
         config_file = path / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.exists() else {}
         eos = generation_config.get("eos_token_id")

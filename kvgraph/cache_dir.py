@@ -4,13 +4,16 @@ Loading a compiled artifact runs the code in it. So kvgraph trusts only what thi
 (its effective uid) owns and no other user can write (no group or world write bit), reached
 without following a symbolic link inside the cache dir (the cache dir itself may be a link:
 choosing it is the user's own act). Anything else is refused with a `ConfigError` saying why and
-how to fix it.
+how to fix it. The same holds for every entry of a tree whose files are code too (inductor's
+cache inside kvgraph's: `check_tree`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from pathlib import Path
 
 from kvgraph.errors import ConfigError
 
@@ -43,6 +46,21 @@ def check_trusted(path: str | os.PathLike, what: str, follow_link: bool = False
                       f"Fix: chmod go-w {path} if it is yours alone, or use a cache dir of your "
                       f"own ({CACHE_DIR_SETTINGS}).")
     return info
+
+
+def check_tree(directory: str | os.PathLike, what: str) -> None:
+    """Refuse, as `check_trusted` does, the first entry under `directory` that may not be
+    trusted. Links are refused, never followed; an entry that vanishes meanwhile (another
+    process's scratch, renamed into place) is skipped. Costs one lstat per entry."""
+    for parent, dirnames, filenames in os.walk(directory):
+        for name in (*dirnames, *filenames):
+            with contextlib.suppress(FileNotFoundError):
+                check_trusted(os.path.join(parent, name), what)
+
+
+def can_write(directory: Path) -> bool:
+    """Whether this process may create entries in `directory`."""
+    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK, effective_ids=True)
 
 
 def check_cache_dir(path: str | os.PathLike) -> None:

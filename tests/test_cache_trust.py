@@ -153,3 +153,40 @@ def test_what_kvgraph_creates_is_private_whatever_the_umask(tmp_path):
     assert modes == {cache.root: 0o700, cache.directory: 0o700,
                      cache.inductor_directory: 0o700, cache.path("piece"): 0o600}
     assert CompileCache.open(cache.root, KEY).load("piece", read_bytes) == b"x"
+
+
+# --- inductor's tree: its files are code too ---------------------------------------------------
+
+
+def inductor_tree(root: Path) -> Path:
+    """A cache whose inductor dir holds a few levels of (private) entries; the deepest dir."""
+    cache = CompileCache.open(root, KEY)
+    deep = cache.inductor_directory / "fxgraph" / "ab" / "entry"
+    deep.mkdir(mode=0o700, parents=True)
+    (deep / "payload").write_bytes(b"x")
+    return deep
+
+
+def test_a_link_deep_in_the_inductor_tree_refused_unfollowed(tmp_path):
+    world = tmp_path / "world"
+    world.mkdir()
+    world.chmod(0o1777)
+    deep = inductor_tree(tmp_path / "cache")
+    (deep / "kernel.py").symlink_to(world / "kernel.py")
+    message = refusal(CompileCache.open, tmp_path / "cache", KEY)
+    assert f"inductor cache entry {deep / 'kernel.py'}" in message
+    assert "symbolic link" in message and "Remove the link" in message
+    assert (deep / "kernel.py").is_symlink() and list(world.iterdir()) == []
+
+
+def test_a_dir_in_the_inductor_tree_writable_by_others_refused(tmp_path):
+    deep = inductor_tree(tmp_path)
+    deep.chmod(0o777)
+    message = refusal(CompileCache.open, tmp_path, KEY)
+    assert str(deep) in message and f"chmod go-w {deep}" in message
+
+
+def test_a_file_in_the_inductor_tree_of_another_user_refused(tmp_path):
+    deep = inductor_tree(tmp_path)
+    give_away(deep / "payload")
+    assert f"belongs to uid {NOBODY}" in refusal(CompileCache.open, tmp_path, KEY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -15,7 +16,12 @@ from torch import fx
 
 import kvgraph
 import passes
-from kvgraph.compilation.cache import CompileCache, digest, graph_fingerprint, source_files_digest
+from kvgraph.compilation.cache import (
+    CompileCache,
+    digest,
+    graph_fingerprint,
+    source_files_digest,
+)
 from kvgraph.compilation.counters import compile_counters
 from tests.scenario import dynamo_capture
 
@@ -442,3 +448,20 @@ def test_source_files_digest(tmp_path):
     assert with_missing != original
     (tmp_path / "deleted.py").write_text("x = 1\n")
     assert source_files_digest(paths + [missing]) != with_missing
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC])
+def test_an_os_error_while_loading_keeps_the_artifact(tmp_path, counters, caplog, code):
+    cache = CompileCache.open(tmp_path, KEY)
+    cache.save("piece", write_bytes(b"a good build"))
+
+    def loader(path):
+        assert read_bytes(path) == b"a good build"
+        raise OSError(code, os.strerror(code))  # what the disk said, not what the file holds
+
+    with caplog.at_level(logging.WARNING, logger="kvgraph.compilation.cache"):
+        assert cache.load("piece", loader) is None
+    [message] = [r.getMessage() for r in caplog.records]
+    assert os.strerror(code) in message and "kept" in message
+    assert counters.cache_corrupt == 0
+    assert cache.load("piece", read_bytes) == b"a good build"

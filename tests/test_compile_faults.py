@@ -1,5 +1,6 @@
 """Faults kvgraph survives, each injected by real means: a read-only, unwritable or full cache
-dir, a process killed while writing an artifact, and a piece that inductor fails to build."""
+dir, a process killed while writing or loading an artifact (and the scratch it leaves), and a
+piece that inductor fails to build. Inductor's own cache dir: tests/test_inductor_cache.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,13 @@ from torch._dynamo.exc import BackendCompilerFailed
 
 import kvgraph
 from kvgraph.compilation.backend import KVGraphBackend
-from kvgraph.compilation.cache import CompileCache, digest
+from kvgraph.compilation.cache import (
+    LOAD_PREFIX,
+    SCRATCH_MAX_AGE_S,
+    WRITE_PREFIX,
+    CompileCache,
+    digest,
+)
 from kvgraph.compilation.counters import compile_counters
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,7 +238,72 @@ def test_a_writer_killed_mid_save_leaves_nothing_damaged_to_load(tmp_path):
         assert CompileCache.open(tmp_path, KEY).load("piece", read_bytes) in payloads
     assert compile_counters.cache_corrupt == 0
     leftovers = [e for e in entries(CompileCache(tmp_path, KEY).directory) if e != "piece.bin"]
-    assert all(e.startswith("tmp") for e in leftovers), leftovers  # scratch, never loaded
+    assert all(e.startswith(WRITE_PREFIX) for e in leftovers), leftovers  # scratch, never loaded
+
+
+# A process stuck in a save and in a load, each inside a user's saver or loader, until killed.
+STUCK = """
+import sys, threading, time
+from pathlib import Path
+from kvgraph.compilation.cache import CompileCache
+
+cache = CompileCache.open(sys.argv[1], sys.argv[2])
+cache.save("piece", lambda path: Path(path).write_bytes(b"a good build"))
+
+def stuck_saver(path):
+    Path(path).write_bytes(b"half a build" * 40_000)
+    print("saving", flush=True)
+    time.sleep(600)
+
+def stuck_loader(path):
+    print("loading", flush=True)
+    time.sleep(600)
+
+threading.Thread(target=cache.save, args=("other", stuck_saver), daemon=True).start()
+threading.Thread(target=cache.load, args=("piece", stuck_loader), daemon=True).start()
+time.sleep(600)
+"""
+OPEN = "import sys; from kvgraph.compilation.cache import CompileCache; " \
+       "CompileCache.open(sys.argv[1], sys.argv[2])"
+
+
+def run_python(script: str, root: Path, temp_dir: Path) -> subprocess.Popen:
+    """`script` in a new process whose system temp dir is `temp_dir`."""
+    return subprocess.Popen([sys.executable, "-c", script, str(root), KEY], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temp_dir)})
+
+
+def scratch_of(root: Path, temp_dir: Path) -> list[Path]:
+    return sorted([*CompileCache(root, KEY).directory.glob(f"{WRITE_PREFIX}*"),
+                   *temp_dir.glob(f"{LOAD_PREFIX}*")])
+
+
+@pytest.mark.slow
+def test_scratch_of_a_killed_process_is_removed_on_a_later_start(tmp_path):
+    root, temp_dir = tmp_path / "cache", tmp_path / "tmp"
+    temp_dir.mkdir()
+    stuck = run_python(STUCK, root, temp_dir)
+    try:
+        assert sorted(stuck.stdout.readline().strip() for _ in range(2)) == ["loading", "saving"]
+    finally:
+        stuck.kill()
+        stuck.wait(timeout=60)
+    scratch = scratch_of(root, temp_dir)
+    assert [p.name.startswith(WRITE_PREFIX) for p in scratch] == [True, False], scratch
+    assert sum(f.stat().st_size for f in scratch[0].rglob("*")) > 400_000
+    # Young scratch may be a live process's: the next start keeps it.
+    assert run_python(OPEN, root, temp_dir).wait(timeout=120) == 0
+    assert scratch_of(root, temp_dir) == scratch
+    # Older than any live save or load: the next start removes it, and only it.
+    long_ago = time.time() - SCRATCH_MAX_AGE_S - 60
+    not_scratch = CompileCache(root, KEY).directory / "notes"  # not kvgraph's to remove
+    not_scratch.mkdir()
+    for path in (*scratch, not_scratch):
+        os.utime(path, (long_ago, long_ago))
+    assert run_python(OPEN, root, temp_dir).wait(timeout=120) == 0
+    assert scratch_of(root, temp_dir) == [] and not_scratch.is_dir()
+    assert CompileCache.open(root, KEY).load("piece", read_bytes) == b"a good build"
 
 
 # --- inductor fails to build a piece -----------------------------------------------------------

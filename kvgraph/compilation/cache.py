@@ -1,12 +1,17 @@
 """The compile cache: built artifacts on disk, keyed by everything that changes them.
 
-Each artifact is one file, `MAGIC + sha256(payload) + payload`, written to a temporary name,
-synced and renamed into place, so a reader (or a start after a crash) sees a whole file or none;
-a file whose digest does not match (truncated, damaged, written by another torch) is logged,
-deleted and rebuilt, never loaded. The digest finds damage, not tampering: what may be trusted
-is decided by owner and permissions (kvgraph/cache_dir.py).
+Each artifact is one file, `MAGIC + sha256(payload) + payload`, written in a scratch dir
+(`kvgraph-write-*`), synced and renamed into place, so a reader (or a start after a crash) sees
+a whole file or none. Only a content problem discards an artifact: a digest that does not match
+(truncated, damaged) or a loader error that is not an OSError (written by another torch); it is
+logged, deleted and rebuilt, never loaded. An OSError while loading (a full disk, an I/O error)
+says nothing about the file: it is kept, and the piece built instead. The digest finds damage,
+not tampering: what may be trusted is decided by owner and permissions (kvgraph/cache_dir.py).
 Inductor's own cache (which holds the built CPU kernels that artifacts refer to) lives inside
-the same directory while kvgraph compiles, so a warm start reuses those kernels too.
+the same directory while kvgraph compiles, so a warm start reuses those kernels too; it is
+trusted, kept private, repaired and bypassed as kvgraph/compilation/inductor_cache.py says.
+Scratch that killed processes left (kvgraph's own, older than SCRATCH_MAX_AGE_S) is removed when
+a cache is opened.
 """
 
 from __future__ import annotations
@@ -15,16 +20,25 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
+import stat
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import sympy
 import torch
 from torch import fx
 
-from kvgraph.cache_dir import CACHE_DIR_SETTINGS, check_cache_dir, check_trusted
+from kvgraph.cache_dir import (
+    CACHE_DIR_SETTINGS,
+    can_write,
+    check_cache_dir,
+    check_trusted,
+)
 from kvgraph.compilation.counters import CompileCounters, compile_counters
+from kvgraph.compilation.inductor_cache import PROBE_PREFIX, InductorCache
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +47,11 @@ DIGEST_SIZE = 32
 # Modes of what kvgraph creates in its cache: only its own user can read or write them.
 PRIVATE_DIR = 0o700
 PRIVATE_FILE = 0o600
+# kvgraph's scratch dirs: a save's (inside the artifact dir), a load's (in the system temp dir).
+WRITE_PREFIX = "kvgraph-write-"
+LOAD_PREFIX = "kvgraph-load-"
+# No live save, load or inductor probe takes this long: older scratch was left by a killed process.
+SCRATCH_MAX_AGE_S = 3600
 
 
 def digest(*parts: object) -> str:
@@ -100,9 +119,10 @@ def graph_fingerprint(gm: fx.GraphModule) -> str:
 class CompileCache:
     """Compiled artifacts of one model and config, under `root/<key>`.
 
-    Made by `open`, which refuses (ConfigError) a directory kvgraph may not trust. A cache it
-    cannot write (read-only, full, or a file where its directory should be) is a fault, not an
-    error: kvgraph warns once and compiles on, loading what it can and saving nothing.
+    Made by `open`, which refuses (ConfigError) a directory kvgraph may not trust, inductor's
+    tree included. A cache it cannot write (read-only, full, or a file where its directory
+    should be) is a fault, not an error: kvgraph warns once and compiles on, loading what it can
+    and saving nothing.
     """
 
     def __init__(self, root: str | os.PathLike, key: str,
@@ -112,13 +132,15 @@ class CompileCache:
         self.root = Path(root)
         self.directory = self.root / key[:24]
         self.inductor_directory = self.root / "inductor"
+        self.inductor = InductorCache(self.inductor_directory, self.stop_saving)
         self.writable = True
 
     @classmethod
     def open(cls, root: str | os.PathLike, key: str, counters: CompileCounters | None = None
              ) -> CompileCache | None:
-        """The cache for `key` under `root`, its directories made (private) where missing; None,
-        with a warning, when there is nothing to load and nowhere to save."""
+        """The cache for `key` under `root`, its directories made (private) where missing,
+        inductor's tree checked and killed processes' scratch removed; None, with a warning,
+        when there is nothing to load and nowhere to save."""
         check_cache_dir(root)
         cache = cls(Path(root).resolve(), key, counters)
         try:
@@ -129,7 +151,10 @@ class CompileCache:
             logger.warning("kvgraph: compiling without the compile cache: %s (%s)", error,
                            CACHE_DIR_SETTINGS)
             return None
-        if not _can_write(cache.directory):
+        cache.inductor.check()
+        sweep_scratch(cache.directory, (WRITE_PREFIX,))
+        sweep_scratch(Path(tempfile.gettempdir()), (LOAD_PREFIX, PROBE_PREFIX))
+        if not can_write(cache.directory):
             cache.writable = False
             logger.warning("kvgraph: the compile cache %s is read-only: loading what it holds, "
                            "saving nothing", cache.directory)
@@ -138,7 +163,7 @@ class CompileCache:
     @staticmethod
     def _make_dir(directory: Path) -> None:
         """Make `directory` (private) if missing and the root allows; refuse an untrusted one."""
-        if not os.path.lexists(directory) and _can_write(directory.parent):
+        if not os.path.lexists(directory) and can_write(directory.parent):
             directory.mkdir(mode=PRIVATE_DIR, exist_ok=True)
         if os.path.lexists(directory):
             check_trusted(directory, "compile cache dir")
@@ -149,20 +174,14 @@ class CompileCache:
     def path(self, name: str) -> Path:
         return self.directory / f"{name}.bin"
 
-    @contextlib.contextmanager
-    def inductor_dir(self) -> Iterator[None]:
-        """Point inductor's cache at ours for the duration (its kernels are part of a warm start);
-        inductor keeps its own default where ours cannot be written."""
-        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
-
-        if not _can_write(self.inductor_directory):
-            yield
-            return
-        with temporary_cache_dir(str(self.inductor_directory)):
-            yield
+    def inductor_dir(self) -> contextlib.AbstractContextManager[None]:
+        """Point inductor's cache at ours while kvgraph compiles (its kernels are part of a warm
+        start); inductor keeps its own where ours cannot be written."""
+        return self.inductor.active()
 
     def load(self, name: str, loader: Callable[[str], Any]) -> Any | None:
-        """The artifact saved as `name`, read through `loader(path)`; None if absent or damaged."""
+        """The artifact saved as `name`, read through `loader(path)`; None if absent, damaged
+        (discarded) or unreadable (kept)."""
         path = self.path(name)
         try:
             check_trusted(path, "compiled artifact")
@@ -170,22 +189,18 @@ class CompileCache:
         except FileNotFoundError:
             return None
         except OSError as error:
-            logger.warning("kvgraph: cannot read compiled artifact %s (%s); building it instead",
-                           path, error)
-            return None
+            return self._unreadable(path, error)
         payload = blob[len(MAGIC) + DIGEST_SIZE:]
         header_ok = blob.startswith(MAGIC)
         digest_ok = blob[len(MAGIC):len(MAGIC) + DIGEST_SIZE] == hashlib.sha256(payload).digest()
         if not (header_ok and digest_ok):
             return self._discard(path, "its checksum does not match (truncated or damaged)")
-        # A private scratch copy outside the cache, which may be read-only.
-        with tempfile.TemporaryDirectory(prefix="kvgraph-load-") as scratch:
-            scratch_path = os.path.join(scratch, "artifact")
-            Path(scratch_path).write_bytes(payload)
-            try:
-                return loader(scratch_path)
-            except Exception as error:  # a stale or foreign artifact: rebuild rather than fail
-                return self._discard(path, f"loading it failed: {error!r}")
+        try:
+            return _load_copy(payload, loader)
+        except OSError as error:  # full, or an I/O error: nothing wrong with the artifact
+            return self._unreadable(path, error)
+        except Exception as error:  # a stale or foreign artifact: rebuild rather than fail
+            return self._discard(path, f"loading it failed: {error!r}")
 
     def save(self, name: str, saver: Callable[[str], None]) -> None:
         """Write the artifact `saver(path)` produces under `name`, atomically and durably; on a
@@ -195,13 +210,17 @@ class CompileCache:
         try:
             self._write(name, saver)
         except OSError as error:
+            self.stop_saving(f"cannot write to the compile cache {self.directory} ({error})")
+
+    def stop_saving(self, why: str) -> None:
+        """Save nothing more from now on, with one warning (for the first `why`)."""
+        if self.writable:
             self.writable = False
-            logger.warning("kvgraph: cannot write to the compile cache %s (%s): compiling on "
-                           "without saving", self.directory, error)
+            logger.warning("kvgraph: %s: compiling on without saving", why)
 
     def _write(self, name: str, saver: Callable[[str], None]) -> None:
         # The scratch dir lies inside the cache dir, so the final rename stays on one file system.
-        with tempfile.TemporaryDirectory(dir=self.directory) as scratch:
+        with tempfile.TemporaryDirectory(prefix=WRITE_PREFIX, dir=self.directory) as scratch:
             scratch_path = os.path.join(scratch, "artifact")
             saver(scratch_path)
             payload = Path(scratch_path).read_bytes()
@@ -214,6 +233,12 @@ class CompileCache:
             os.replace(staged, self.path(name))
         _fsync_dir(self.directory)
 
+    @staticmethod
+    def _unreadable(path: Path, error: OSError) -> None:
+        """Build instead of loading, keeping the file: `error` is the disk's, not its content's."""
+        logger.warning("kvgraph: cannot load compiled artifact %s (%s); building it instead, "
+                       "the file is kept", path, error)
+
     def _discard(self, path: Path, why: str) -> None:
         logger.warning("kvgraph: discarding compiled artifact %s: %s; rebuilding it", path, why)
         self.counters.add("cache_corrupt")
@@ -222,8 +247,31 @@ class CompileCache:
         return None
 
 
-def _can_write(directory: Path) -> bool:
-    return directory.is_dir() and os.access(directory, os.W_OK | os.X_OK, effective_ids=True)
+def _load_copy(payload: bytes, loader: Callable[[str], Any]) -> Any:
+    """`loader` on a private scratch copy of `payload`, outside the cache (it may be read-only)."""
+    with tempfile.TemporaryDirectory(prefix=LOAD_PREFIX) as scratch:
+        scratch_path = os.path.join(scratch, "artifact")
+        Path(scratch_path).write_bytes(payload)
+        return loader(scratch_path)
+
+
+def sweep_scratch(directory: Path, prefixes: tuple[str, ...]) -> None:
+    """Remove the scratch dirs in `directory` that killed processes left: named with one of
+    `prefixes`, this user's, and untouched for SCRATCH_MAX_AGE_S (a live process's are younger)."""
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:  # gone, or unreadable: nothing of ours to find
+        return
+    now = time.time()
+    for entry in entries:
+        if not entry.name.startswith(prefixes):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or a read-only cache: kept
+            info = entry.stat(follow_symlinks=False)
+            if (stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+                    and now - info.st_mtime > SCRATCH_MAX_AGE_S):
+                shutil.rmtree(entry.path)
+                logger.info("kvgraph: removed %s, scratch left by a killed process", entry.path)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from torch import fx
 
@@ -13,6 +13,7 @@ from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.piecewise import token_symbols
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class PieceCompiler(Protocol):
@@ -36,9 +37,10 @@ class EagerPieceCompiler:
 class InductorPieceCompiler:
     """Builds pieces with `torch._inductor.standalone_compile`, through the compile cache.
 
-    A build inductor fails at runs as the traced FX code instead, with a warning, unless
-    `on_error` is "raise" (the config's `on_compile_error`). Builds, hits and fallbacks are
-    counted in `counters` (the compiled model's).
+    Loads and builds go through the cache's inductor dir, which retries them where that dir is
+    full or damaged (kvgraph/compilation/inductor_cache.py). A build inductor still fails at runs
+    as the traced FX code instead, with a warning, unless `on_error` is "raise" (the config's
+    `on_compile_error`). Builds, hits and fallbacks are counted in `counters` (the model's).
     """
 
     name = "inductor"
@@ -56,15 +58,13 @@ class InductorPieceCompiler:
         return "from_tracing_context" if token_symbols(example_inputs) else "from_example_inputs"
 
     def compile(self, gm, example_inputs, build_name):
-        from torch._inductor import CompiledArtifact
-
         if self.cache is not None:
-            loaded = self.cache.load(build_name, lambda path: CompiledArtifact.load(path=path))
+            loaded = self.cache.load(build_name, self._load)
             if loaded is not None:
                 self.counters.add("cache_hits")
                 return loaded
         try:
-            artifact = self._build(gm, example_inputs, build_name)
+            artifact = self._in_inductor_dir(lambda: self._build(gm, example_inputs, build_name))
         except Exception as error:
             if self.on_error == "raise":
                 raise
@@ -76,9 +76,21 @@ class InductorPieceCompiler:
         if self.cache is not None:
             try:
                 self.cache.save(build_name, lambda path: artifact.save(path=path, format="binary"))
-            except RuntimeError as error:  # not serialisable: still usable in this process
+            # Not serialisable (inductor says so with a RuntimeError or an AssertionError, e.g.
+            # after reading a damaged cache entry): still usable in this process.
+            except (RuntimeError, AssertionError) as error:
                 logger.warning("kvgraph: could not cache %s: %s", build_name, error)
         return artifact
+
+    def _in_inductor_dir(self, attempt: Callable[[], T]) -> T:
+        """`attempt()` in the cache's inductor dir, which deals with its being full or damaged."""
+        return attempt() if self.cache is None else self.cache.inductor.run(attempt)
+
+    def _load(self, path: str):
+        """The artifact at `path`, its kernels loaded (or rebuilt) in the inductor dir."""
+        from torch._inductor import CompiledArtifact
+
+        return self._in_inductor_dir(lambda: CompiledArtifact.load(path=path))
 
     def _build(self, gm, example_inputs, build_name):
         from torch._inductor import standalone_compile

@@ -98,6 +98,17 @@ def test_a_bad_batch_is_refused_before_anything_runs_or_is_counted(case, mode):
         assert after[key] == stats[key], f"a refused batch was counted in {key}"
 
 
+def test_numpy_integers_of_any_kind_are_token_and_block_ids():
+    # NumPy infers float64 for uint64 mixed with Python ints: they must still be read exactly.
+    chunks = [RequestChunk([np.uint64(3), 2**40 % VOCAB], np.int32(0), [np.uint64(5)]),
+              RequestChunk(np.array([7, 9], dtype=np.uint16), 0, torch.tensor([6]))]
+    input_ids, positions = kvgraph.build_model_inputs(chunks)
+    assert input_ids.dtype == torch.int64 and input_ids.tolist() == [3, 2**40 % VOCAB, 7, 9]
+    assert positions.tolist() == [0, 1, 0, 1]
+    metadata = kvgraph.build_attention_metadata(chunks, 4)
+    assert metadata.block_table.tolist() == [[5], [6]]
+
+
 def test_the_step_after_a_refused_batch_matches_a_runner_that_never_saw_it():
     runner, reference = make_runner("llama", "piecewise"), make_runner("llama", "piecewise")
     for r in (runner, reference):

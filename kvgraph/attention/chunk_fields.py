@@ -97,7 +97,9 @@ def _flat_ints(lists: list[Sequence[int]], field: str) -> np.ndarray:
             what = "an int" if field == "num_computed_tokens" else "a list of ints"
             raise BatchError(f"chunk {i}: {field} must be {what} (not bools, floats, None or "
                              f"nested lists; within int64), got {_shown(shown)}")
-    raise AssertionError(f"{field}: the chunks' values failed together but none alone")
+    # Every value is an int within int64, but NumPy inferred no int64 for them together (it
+    # mixes uint64 with signed ints as float64): convert them one by one.
+    return np.fromiter(flat, np.int64, len(flat))
 
 
 def _int64_array(flat: list[Any]) -> np.ndarray | None:

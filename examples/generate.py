@@ -51,28 +51,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.model in MODELS:
+        print(f"model: the example {args.model!r} ({args.preset} preset) with random weights, so "
+              "its text is noise: this demo shows the path, not the words (--model PATH "
+              "generates from a local Hugging Face checkpoint)")
     engine, summary = build_engine(args, MODELS)
-    print(f"graph mode {summary['graph_mode']}: compiled and captured {summary['graphs']} graphs "
-          f"in {summary['seconds']:.1f} s; they hold {summary['graph_bytes'] / 2**20:.1f} MiB")
+    print(f"graph mode {summary['graph_mode']}: compiled, then captured "
+          f"{summary['descriptors']} batch descriptors ({summary['graphs']} graphs: one per "
+          f"piece of each) in {summary['seconds']:.1f} s; they hold "
+          f"{summary['graph_bytes'] / 2**20:.1f} MiB")
 
-    prompts = [engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.num_prompts)]
+    texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
+    prompts = [engine.tokenizer.encode(text) for text in texts]
     params = SamplingParams(max_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     start = time.perf_counter()
     completions = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
 
-    for i, completion in enumerate(completions):
-        print(f"request {i} (prompt of {len(completion.prompt_token_ids)} tokens, "
-              f"{completion.finish_reason.value}): {completion.text!r} "
-              f"{list(completion.token_ids)}")
+    for i, (text, completion) in enumerate(zip(texts, completions)):
+        print(f"request {i}: prompt {text!r} ({len(completion.prompt_token_ids)} tokens) -> "
+              f"{len(completion.token_ids)} tokens (finished: {completion.finish_reason.value})\n"
+              f"  text {completion.text!r}\n  token ids {list(completion.token_ids)}")
     generated = sum(len(c.token_ids) for c in completions)
     stats = engine.stats()
     print(f"{args.model}/{args.preset} on {args.device}: {stats['steps']} steps, "
           f"{sum(map(len, prompts))} prompt tokens, {generated} generated in {elapsed:.2f} s "
           f"({generated / elapsed:.1f} tokens/s)")
-    print(f"steps by graph: {stats['runner']['hits']}; "
-          f"graph replays {stats['runner']['graphs']['replays']}")
+    print("steps by how they ran (graph mode: batch descriptor):")
+    for key, count in stats["runner"]["hits"].items():
+        print(f"  {count:4d}  {key}")
+    print(f"graph replays (one per piece of each step): {stats['runner']['graphs']['replays']}")
     return 0
 
 

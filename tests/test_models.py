@@ -368,9 +368,12 @@ def test_generate_demo_runs_and_graph_mode_generates_what_eager_does(capsys):
         for mode in ("eager", "full_and_piecewise"):
             assert generate.main([*args, "--model", model, "--graph-mode", mode]) == 0
             lines = capsys.readouterr().out.splitlines()
-            assert lines[0].startswith(f"graph mode {mode}")
+            assert lines[0].startswith(f"model: the example {model!r} (tiny preset) with random "
+                                       "weights")
+            assert lines[1].startswith(f"graph mode {mode}")
             summary = next(line for line in lines if " steps, " in line)
             assert "4 steps" in summary and "12 generated" in summary
-            outputs[mode] = [line for line in lines if line.startswith("request ")]
-        assert len(outputs["eager"]) == 3
+            outputs[mode] = [line for line in lines
+                             if line.startswith(("request ", "  text ", "  token ids "))]
+        assert len(outputs["eager"]) == 3 * 3
         assert outputs["eager"] == outputs["full_and_piecewise"]

@@ -104,11 +104,13 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
         attn_backend=args.attention_backend)
     capture = runner.capture()  # compiles first: a compile error raises here, before serving
     engine = LLMEngine(runner, tokenizer, args.seed)
-    summary = {"graph_mode": runner.config.graph_mode.value, "graphs": capture["graphs"],
+    summary = {"graph_mode": runner.config.graph_mode.value,
+               "descriptors": capture["descriptors"], "graphs": capture["graphs"],
                "graph_bytes": capture["bytes"], "seconds": time.perf_counter() - start,
                "compile": runner.stats()["compile"]}
-    logger.info("engine ready in %.1f s: graph mode %s, %d graphs captured (%.1f MiB), "
-                "%d pieces compiled in %.1f s", summary["seconds"], summary["graph_mode"],
-                summary["graphs"], summary["graph_bytes"] / 2**20,
-                summary["compile"]["builds"], summary["compile"]["compile_seconds"])
+    logger.info("engine ready in %.1f s: graph mode %s, %d descriptors captured (%d graphs, "
+                "%.1f MiB), %d pieces built in %.1f s", summary["seconds"],
+                summary["graph_mode"], summary["descriptors"], summary["graphs"],
+                summary["graph_bytes"] / 2**20, summary["compile"]["builds"],
+                summary["compile"]["compile_seconds"])
     return engine, summary

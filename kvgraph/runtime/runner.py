@@ -28,9 +28,9 @@ from kvgraph.attention.layer_base import attention_layers, kv_cache_specs
 from kvgraph.attention.metadata import RequestChunk
 from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.trace import CompiledModel, compile_model
-from kvgraph.config import DEFAULT_MAX_NUM_TOKENS, CompilationConfig, GraphMode
+from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.devices import canonical_device
-from kvgraph.errors import CompileError, ConfigError, RunnerError
+from kvgraph.errors import CompileError, RunnerError
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.kv_cache.spec import allocate_kv_caches
@@ -39,11 +39,14 @@ from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.runtime.graphs import GraphSet, graph_key
 from kvgraph.runtime.input_buffers import InputBuffers, buffer_bytes
 from kvgraph.runtime.platforms import get_platform
+from kvgraph.runtime.progress import Progress
 from kvgraph.runtime.runner_args import (
     check_device,
     check_dtype,
     check_fits,
     check_sizes,
+    model_vocab_size,
+    with_max_num_tokens,
 )
 from kvgraph.runtime.step import Step, StepLimits, plan_step
 
@@ -82,13 +85,13 @@ class ModelRunner:
         self.device = canonical_device(device)
         self.attn_backend = attn_backend or self._platform.attention_backend
         self._backend = get_attention_backend(self.attn_backend, self.device)
-        config = _with_max_num_tokens(config or CompilationConfig(), max_num_tokens)
+        config = with_max_num_tokens(config or CompilationConfig(), max_num_tokens)
         self.config = config.replace(graph_mode=resolve_graph_mode(
             config.graph_mode, self._backend.graph_support, self._backend.name,
             bool(config.splitting_ops)))
         self.limits = StepLimits(self.config.max_num_tokens, max_num_seqs,
                                  max_model_len or num_blocks * block_size, num_blocks, block_size)
-        self.vocab_size = vocab_size or _vocab_size(model)
+        self.vocab_size = vocab_size or model_vocab_size(model)
         self.model = model
         self.kv_caches = self._bind_caches(model, dtype or next(model.parameters()).dtype)
         self._buffers = InputBuffers(self.limits, self.device)
@@ -157,29 +160,29 @@ class ModelRunner:
     def capture(self) -> dict[str, Any]:
         """Compile if not yet done, then capture every graph the mode asks for, largest first.
 
-        Returns a summary: the graphs this call captured and its seconds; `bytes` and
+        Returns a summary: the descriptors and graphs (one per piece of each descriptor) this
+        call captured and its seconds; `bytes` and
         `bytes_by_descriptor` are what all of this runner's graphs added to its pool. A
         descriptor whose capture fails is listed in `failed` and logged; its batches run on the
         same size's piecewise graphs if there are any, else without graphs.
         """
-        from tqdm import tqdm
-
         self._ensure_compiled()
         keys = [key for key in self._dispatcher.descriptors_to_capture()
                 if not self._graphs.has(*key)]
         before = self._graphs.snapshot()["captures"]
         start = time.perf_counter()
         failed = []
-        with self._graphs.capture_phase():
-            for mode, descriptor in tqdm(keys, desc="kvgraph capture", disable=not keys,
-                                         leave=False):
+        with self._graphs.capture_phase(), Progress("descriptors captured", len(keys)) as progress:
+            for mode, descriptor in keys:
                 if not self._capture_or_warn(mode, descriptor):
                     failed.append(graph_key(mode, descriptor))
+                progress.advance()
         held = self._graphs.snapshot()
-        summary = {"graphs": held["captures"] - before, "seconds": time.perf_counter() - start,
-                   "bytes": held["graph_bytes"], "bytes_by_descriptor": held["bytes_by_descriptor"],
-                   "failed": failed}
-        logger.info("kvgraph: captured %d graphs in %.2f s; this runner's graphs hold %.1f MiB",
+        summary = {"descriptors": len(keys) - len(failed), "graphs": held["captures"] - before,
+                   "seconds": time.perf_counter() - start, "bytes": held["graph_bytes"],
+                   "bytes_by_descriptor": held["bytes_by_descriptor"], "failed": failed}
+        logger.info("kvgraph: captured %d descriptors (%d graphs: one per piece each) in %.2f s; "
+                    "this runner's graphs hold %.1f MiB", summary["descriptors"],
                     summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
         return summary
 
@@ -260,13 +263,20 @@ class ModelRunner:
         dispatch = self._dispatcher.stats
         return {
             "graph_mode": self.config.graph_mode.value,
-            "hits": {f"{mode}:{d}": n for (mode, d), n in dispatch.hits.items()},
+            "hits": {f"{self._step_label(mode)}:{d}": n for (mode, d), n in dispatch.hits.items()},
             "padded_tokens": dispatch.padded_tokens,
             "fallbacks": dispatch.fallbacks,
             "uncaptured": dispatch.uncaptured,
             "graphs": self._graphs.snapshot(),
             "compile": self._compile_counters().snapshot(),
         }
+
+    def _step_label(self, mode: str) -> str:
+        """How a step ran, for `stats()["hits"]`: its graph's mode, else "eager" (the model as
+        written) or "none" (compiled, without a graph)."""
+        if mode == GraphMode.NONE.value and self.config.graph_mode is GraphMode.EAGER:
+            return "eager"
+        return mode
 
     def _compile_counters(self) -> CompileCounters:
         if isinstance(self._forward, CompiledModel):
@@ -298,24 +308,3 @@ def _root_cause(error: BaseException) -> str:
             break
         error = inner
     return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
-
-
-def _with_max_num_tokens(config: CompilationConfig, max_num_tokens: int | None
-                         ) -> CompilationConfig:
-    """`config` with the runner's token budget: the argument, else the config's, else the
-    default; given both ways, they must agree."""
-    if max_num_tokens is not None and config.max_num_tokens not in (None, max_num_tokens):
-        raise ConfigError("max_num_tokens", f"max_num_tokens: the runner was given "
-                          f"{max_num_tokens!r} but its config says {config.max_num_tokens!r}; "
-                          "set it in one place (or make them equal)")
-    chosen = max_num_tokens if max_num_tokens is not None else config.max_num_tokens
-    return config.replace(max_num_tokens=DEFAULT_MAX_NUM_TOKENS if chosen is None else chosen)
-
-
-def _vocab_size(model: nn.Module) -> int | None:
-    """The model's vocabulary size: `config.vocab_size`, else its first embedding's rows."""
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(size, int):
-        return size
-    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return embedding.num_embeddings if embedding is not None else None

@@ -1,4 +1,5 @@
-"""Checking a ModelRunner's sizes when it is built: types, ranges, and the memory they need.
+"""A ModelRunner's arguments, checked and completed when it is built: types, ranges, the memory
+they need, and the defaults taken from the config or the model.
 
 Every size is refused here, with a ConfigError naming it, rather than later by the allocator, a
 capture or an int32 index that wraps.
@@ -10,8 +11,10 @@ import numbers
 from typing import Any
 
 import torch
+from torch import nn
 
 from kvgraph.attention.metadata import MAX_BLOCK_ID, MAX_SEQ_LEN
+from kvgraph.config import DEFAULT_MAX_NUM_TOKENS, CompilationConfig
 from kvgraph.config_checks import MAX_NUM_TOKENS
 from kvgraph.devices import memory_bytes
 from kvgraph.errors import ConfigError, PlatformError
@@ -68,3 +71,24 @@ def check_dtype(dtype: Any) -> None:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError("dtype", f"dtype: expected a floating torch.dtype such as "
                           f"torch.bfloat16 (or None: the model's), got {dtype!r}")
+
+
+def with_max_num_tokens(config: CompilationConfig, max_num_tokens: int | None
+                         ) -> CompilationConfig:
+    """`config` with the runner's token budget: the argument, else the config's, else the
+    default; given both ways, they must agree."""
+    if max_num_tokens is not None and config.max_num_tokens not in (None, max_num_tokens):
+        raise ConfigError("max_num_tokens", f"max_num_tokens: the runner was given "
+                          f"{max_num_tokens!r} but its config says {config.max_num_tokens!r}; "
+                          "set it in one place (or make them equal)")
+    chosen = max_num_tokens if max_num_tokens is not None else config.max_num_tokens
+    return config.replace(max_num_tokens=DEFAULT_MAX_NUM_TOKENS if chosen is None else chosen)
+
+
+def model_vocab_size(model: nn.Module) -> int | None:
+    """The model's vocabulary size: `config.vocab_size`, else its first embedding's rows."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding.num_embeddings if embedding is not None else None

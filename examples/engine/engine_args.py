@@ -18,8 +18,8 @@ from torch import nn
 
 import kvgraph
 
-from .block_allocator import blocks_for
 from .engine import LLMEngine
+from .kv_sizing import add_kv_sizing_args, choose_num_blocks
 from .tokenizer import ByteTokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,7 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        help=f"longest sequence, prompt and output (default: the model's, at most "
                        f"{DEFAULT_MAX_MODEL_LEN})")
     group.add_argument("--block-size", type=positive_int, default=16, help="tokens per cache block")
-    group.add_argument("--num-blocks", type=positive_int,
-                       help="cache blocks (default: every sequence at full length)")
+    add_kv_sizing_args(group)
     group.add_argument("--seed", type=int, default=0, help="seeds random weights and sampling")
     kvgraph.add_cli_args(parser)
     return parser
@@ -96,18 +95,23 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
-    num_blocks = (args.num_blocks
-                  or blocks_for(max_model_len, args.block_size) * args.max_num_seqs)
-    runner = kvgraph.ModelRunner(
-        model, config, num_blocks=num_blocks, block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs, device=args.device, max_model_len=max_model_len,
-        attn_backend=args.attention_backend)
+
+    def build_runner(num_blocks: int) -> kvgraph.ModelRunner:
+        return kvgraph.ModelRunner(
+            model, config, num_blocks=num_blocks, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, device=args.device, max_model_len=max_model_len,
+            attn_backend=args.attention_backend)
+
+    sizing = choose_num_blocks(args, model, DTYPES[args.dtype], config.max_num_tokens,
+                               max_model_len, build_runner)
+    runner = build_runner(sizing.num_blocks)
     capture = runner.capture()  # compiles first: a compile error raises here, before serving
     engine = LLMEngine(runner, tokenizer, args.seed)
     summary = {"graph_mode": runner.config.graph_mode.value,
                "descriptors": capture["descriptors"], "graphs": capture["graphs"],
                "graph_bytes": capture["bytes"], "seconds": time.perf_counter() - start,
-               "compile": runner.stats()["compile"]}
+               "compile": runner.stats()["compile"], "num_blocks": sizing.num_blocks,
+               "num_blocks_why": sizing.why}
     logger.info("engine ready in %.1f s: graph mode %s, %d descriptors captured (%d graphs, "
                 "%.1f MiB), %d pieces built in %.1f s", summary["seconds"],
                 summary["graph_mode"], summary["descriptors"], summary["graphs"],

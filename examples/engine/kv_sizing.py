@@ -1,0 +1,131 @@
+"""How many KV cache blocks the engine gets: given, from a memory budget, or from what a device
+has left after a profiling step.
+
+- `--num-blocks N`: N, whatever else is given.
+- `--kv-cache-memory BYTES` (CPU and devices): as many blocks as BYTES hold.
+- `--gpu-memory-utilization F` (devices): a probe runner with one sequence's blocks runs a
+  step of `max_num_tokens` tokens and captures its graphs; the blocks are what is left of
+  F x the device's memory after that peak (weights, activations, graphs) and after what other
+  processes use.
+- otherwise: every sequence at full length (`max_num_seqs` x `max_model_len`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+import kvgraph
+
+from .block_allocator import blocks_for
+
+logger = logging.getLogger(__name__)
+
+# Builds a ModelRunner with the given number of blocks (everything else already decided).
+RunnerFactory = Callable[[int], kvgraph.ModelRunner]
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """The engine's cache size and the reason it was chosen, for the start-up log."""
+
+    num_blocks: int
+    why: str
+
+
+def add_kv_sizing_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--num-blocks", type=int,
+                       help="cache blocks (overrides the two below; default: every sequence at "
+                       "full length)")
+    group.add_argument("--kv-cache-memory", type=int, metavar="BYTES",
+                       help="size the KV cache to this many bytes (CPU and devices)")
+    group.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                       help="size the KV cache to what this fraction of the device's memory "
+                       "leaves after a profiling step and the graphs (CUDA, NPU)")
+
+
+def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across every layer's cache."""
+    specs = kvgraph.kv_cache_specs(model, block_size, dtype)
+    return sum(spec.bytes_per_block for spec in specs.values())
+
+
+def choose_num_blocks(args: argparse.Namespace, model: nn.Module, dtype: torch.dtype,
+                      max_num_tokens: int, max_model_len: int, build_runner: RunnerFactory
+                      ) -> KVSizing:
+    """The blocks the flags ask for; a ValueError naming the flag if they cannot hold one
+    sequence of `max_model_len` tokens."""
+    one_sequence = blocks_for(max_model_len, args.block_size)
+    per_block = block_bytes(model, args.block_size, dtype)
+    if args.num_blocks is not None:
+        sizing = KVSizing(args.num_blocks, "--num-blocks")
+    elif args.kv_cache_memory is not None:
+        sizing = KVSizing(args.kv_cache_memory // per_block,
+                          f"--kv-cache-memory {args.kv_cache_memory} bytes / {per_block} bytes "
+                          "per block")
+    elif args.gpu_memory_utilization is not None:
+        sizing = _profiled(args, per_block, one_sequence, max_num_tokens, max_model_len,
+                           build_runner)
+    else:
+        sizing = KVSizing(one_sequence * args.max_num_seqs,
+                          f"every sequence at full length: --max-num-seqs {args.max_num_seqs} x "
+                          f"{one_sequence} blocks of --max-model-len {max_model_len}")
+    if sizing.num_blocks < one_sequence:
+        raise ValueError(f"{sizing.why} gives {sizing.num_blocks} KV cache blocks, fewer than the "
+                         f"{one_sequence} one sequence of --max-model-len {max_model_len} needs")
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), from %s", sizing.num_blocks,
+                args.block_size, sizing.num_blocks * per_block / 2**20, sizing.why)
+    return sizing
+
+
+def _profiled(args: argparse.Namespace, per_block: int, one_sequence: int,
+              max_num_tokens: int, max_model_len: int, build_runner: RunnerFactory) -> KVSizing:
+    """Blocks for what `--gpu-memory-utilization` leaves after a profiling step and capture."""
+    fraction = args.gpu_memory_utilization
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {fraction}")
+    device = torch.device(args.device)
+    module = getattr(torch, device.type, None)
+    if device.type == "cpu" or not hasattr(module, "max_memory_allocated"):
+        raise ValueError(f"--gpu-memory-utilization needs a CUDA or NPU device, got "
+                         f"--device {args.device}; give --kv-cache-memory BYTES instead")
+    batch = profiling_batch(max_num_tokens, max_model_len, args.max_num_seqs, args.block_size)
+    probe_blocks = max(one_sequence, sum(len(chunk.block_ids) for chunk in batch))
+    probe = build_runner(probe_blocks)
+    try:
+        module.synchronize(device)
+        module.reset_peak_memory_stats(device)
+        probe.execute(batch)
+        probe.capture()
+        module.synchronize(device)
+        peak = module.max_memory_allocated(device) - probe_blocks * per_block
+    finally:
+        probe.close()
+    free, total = module.mem_get_info(device)
+    others = total - free - module.memory_reserved(device)  # what other processes hold
+    budget = int(total * fraction) - peak - others
+    return KVSizing(max(budget, 0) // per_block,
+                    f"--gpu-memory-utilization {fraction}: {total / 2**30:.1f} GiB x {fraction} "
+                    f"- {peak / 2**30:.2f} GiB peak of a {max_num_tokens}-token step and its "
+                    f"graphs - {others / 2**30:.2f} GiB used by other processes")
+
+
+def profiling_batch(max_num_tokens: int, max_model_len: int, max_num_seqs: int,
+                    block_size: int) -> list[kvgraph.RequestChunk]:
+    """The largest step: `max_num_tokens` tokens (as many as `max_num_seqs` requests of at most
+    `max_model_len` hold), in as few requests as the context allows, on distinct blocks."""
+    per_request = min(max_num_tokens, max_model_len)
+    sizes = [per_request] * (max_num_tokens // per_request)
+    if max_num_tokens % per_request:
+        sizes.append(max_num_tokens % per_request)
+    chunks, first = [], 0
+    for n in sizes[:max_num_seqs]:
+        count = blocks_for(n, block_size)
+        chunks.append(kvgraph.RequestChunk([0] * n, 0, list(range(first, first + count))))
+        first += count
+    return chunks

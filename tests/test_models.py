@@ -275,7 +275,7 @@ def test_state_dict_mismatch_names_the_keys(edit, named):
 
 @pytest.mark.parametrize("model_class, change, error, named", [
     (Llama, {"hidden_size": None}, ValueError, "hidden_size"),
-    (Llama, {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, NotImplementedError,
+    (Llama, {"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, NotImplementedError,
      "rope_scaling"),
     (Llama, {"hidden_act": "gelu"}, NotImplementedError, "hidden_act"),
     (Llama, {"num_key_value_heads": 3}, ValueError, "num_key_value_heads"),

@@ -30,7 +30,7 @@ class StaticAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.rope)
         # Buffers, not parameters: torch.compile treats them as static inputs mutated in place.
         self.register_buffer("key_cache", None, persistent=False)
         self.register_buffer("value_cache", None, persistent=False)

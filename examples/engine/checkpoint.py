@@ -17,7 +17,8 @@ from .tokenizer import HFTokenizer
 
 # HF `architectures` entries -> the example model (a key of the caller's model table) that
 # loads their state dicts under HF's own names.
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+                 "Qwen2ForCausalLM": "llama"}
 
 
 def _read_json(path: Path, required: bool = True) -> dict[str, Any]:

@@ -7,13 +7,14 @@ presets; everything else (the module tree Hugging Face checkpoints expect, build
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import nn
 
 from .layers import MLP, RMSNorm
+from .rope import DEFAULT_MAX_POSITION_EMBEDDINGS, RopeParameters
 
 # Standard deviation of seeded random weights: small enough that activations stay sane.
 INIT_STD = 0.02
@@ -26,7 +27,8 @@ class DecoderConfig:
     """What every example decoder reads from a HF `config.json`; subclasses add attention fields.
 
     Build it with `from_hf`: keys these models do not use are ignored, a JSON `null` means the
-    default, and every number must be positive.
+    default, and every number must be positive. `rope` is read from either HF form (see
+    `RopeParameters.from_hf`); a RoPE type outside `rope_types` is refused.
     """
 
     vocab_size: int
@@ -35,14 +37,14 @@ class DecoderConfig:
     num_hidden_layers: int
     num_attention_heads: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
+    rope: RopeParameters = field(default_factory=RopeParameters)
+    max_position_embeddings: int = DEFAULT_MAX_POSITION_EMBEDDINGS
     tie_word_embeddings: bool = False
 
     # HF keys whose other values these examples do not implement, with the one value they do.
-    supported_only: ClassVar[Mapping[str, Any]] = {
-        "rope_scaling": None, "hidden_act": "silu", "mlp_bias": False,
-    }
+    supported_only: ClassVar[Mapping[str, Any]] = {"hidden_act": "silu", "mlp_bias": False}
+    # The RoPE types (HF `rope_type`) the model implements.
+    rope_types: ClassVar[tuple[str, ...]] = ("default",)
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> DecoderConfig:
@@ -54,8 +56,10 @@ class DecoderConfig:
                     f"{cls.__name__}: {key}={value!r} is not implemented by this example model; "
                     f"only {supported!r} is supported"
                 )
+        rope = RopeParameters.from_hf(config, cls.rope_types, cls.__name__)
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in config.items() if k in known and v is not None}
+        values["rope"] = rope
         missing = [f.name for f in fields(cls) if f.default is MISSING and f.name not in values]
         if missing:
             raise ValueError(
@@ -63,6 +67,11 @@ class DecoderConfig:
                 f"it has {sorted(config)}"
             )
         return cls(**values)
+
+    @property
+    def rope_theta(self) -> float:
+        """The RoPE base, wherever the HF config kept it."""
+        return self.rope.theta
 
     def __post_init__(self) -> None:
         for f in fields(self):

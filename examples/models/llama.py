@@ -1,12 +1,13 @@
 """A Llama-style decoder (GQA, RoPE, RMSNorm, SwiGLU) whose attention reads kvgraph's paged cache.
 
 Plain PyTorch: the model knows nothing of compilation. Its module tree and parameter names are
-those of Hugging Face's `LlamaForCausalLM`, so a HF Llama state dict loads as it is. A config
-with `sliding_window` (Mistral-style) gives every layer that window.
+those of Hugging Face's `LlamaForCausalLM`, so a HF Llama state dict loads as it is; so do
+Mistral's (a `sliding_window` gives every layer that window) and Qwen2's (biased q/k/v).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import kvgraph
 
 from .causal_lm import CausalLM, DecoderConfig
 from .layers import RotaryEmbedding
+from .rope import ROPE_TYPES
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Fast enough for unit tests.
@@ -40,19 +42,50 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# HF model types whose config.json this config reads, with what each implies beyond its keys.
+MODEL_TYPES: dict[str, dict[str, Any]] = {
+    "llama": {}, "mistral": {}, "qwen2": {"qkv_bias": True},
+}
+
+
+def _qwen2_window(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen2's config without the `sliding_window` it keeps while `use_sliding_window` is off."""
+    if config.get("use_sliding_window"):
+        # Qwen2 windows only the layers from max_window_layers on; one window for all is not it.
+        raise NotImplementedError(
+            "LlamaConfig: Qwen2 use_sliding_window=True (a window on some layers only) is not "
+            "implemented; only use_sliding_window=False")
+    return {**config, "sliding_window": None}
+
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig(DecoderConfig):
-    """A HF Llama (or Mistral) `config.json`, validated.
+    """A HF Llama, Mistral or Qwen2 `config.json`, validated.
 
     `num_key_value_heads` defaults to the head count, `head_dim` to `hidden_size //
-    num_attention_heads`; `attention_bias` gives all four attention projections a bias.
+    num_attention_heads`; `attention_bias` gives all four attention projections a bias,
+    `qkv_bias` (Qwen2's) only the query, key and value projections.
     """
 
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     attention_bias: bool = False
+    qkv_bias: bool = False
     sliding_window: int | None = None
+
+    rope_types = ROPE_TYPES
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> LlamaConfig:
+        """As `DecoderConfig.from_hf`, for HF's llama, mistral and qwen2 `model_type`s."""
+        model_type = config.get("model_type") or "llama"
+        if model_type not in MODEL_TYPES:
+            raise NotImplementedError(
+                f"LlamaConfig: model_type={model_type!r} is not implemented; supported: "
+                f"{sorted(MODEL_TYPES)}")
+        if model_type == "qwen2":
+            config = _qwen2_window(config)
+        return super().from_hf({**config, **MODEL_TYPES[model_type]})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,13 +114,13 @@ class LlamaAttention(nn.Module):
         heads, kv_heads, head_dim = (
             config.num_attention_heads, config.num_key_value_heads, config.head_dim
         )
-        bias = config.attention_bias
+        qkv_bias = config.attention_bias or config.qkv_bias
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=bias)
-        self.rotary_emb = RotaryEmbedding(head_dim, config.rope_theta)
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=config.attention_bias)
+        self.rotary_emb = RotaryEmbedding(head_dim, config.rope)
         self.attn = kvgraph.Attention(
             heads, head_dim, head_dim**-0.5, kv_heads, f"{prefix}.attn",
             sliding_window=config.sliding_window,

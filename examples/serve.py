@@ -38,6 +38,7 @@ from kvgraph import CompileError
 
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
+    from .engine.errors import ModelNotFound
     from .engine import build_engine
     from .engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
     from .engine.metrics import CountResponses, ServerMetrics
@@ -45,6 +46,7 @@ if __package__:
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
     from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
+    from engine.errors import ModelNotFound
     from engine import build_engine
     from engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
     from engine.metrics import CountResponses, ServerMetrics
@@ -81,6 +83,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                              chat)
         try:
             body = parse_json(await read_body(http))
+            _check_model(body, model_name)
             parsed = (parse_chat if chat else parse_completion)(body, tokenizer)
             engine.check(parsed.prompt_token_ids, parsed.params)
             outputs = engine.generate(fmt.request_id, parsed.prompt_token_ids, parsed.params)
@@ -89,7 +92,8 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             return _error(error)
         outputs = _resume(first, outputs)
         if parsed.stream:
-            return StreamingResponse(_events(outputs, fmt, metrics),
+            usage = len(parsed.prompt_token_ids) if parsed.include_usage else None
+            return StreamingResponse(_events(outputs, fmt, metrics, usage),
                                      media_type="text/event-stream")
         return await _collect(outputs, fmt, len(parsed.prompt_token_ids), metrics, http)
 
@@ -125,10 +129,19 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     return app
 
 
+def _check_model(body: Any, model_name: str) -> None:
+    """Refuse (404) a request naming a model other than the one served; none named is fine."""
+    requested = body.get("model") if isinstance(body, dict) else None
+    if isinstance(requested, str) and requested != model_name:
+        raise ModelNotFound("model", f"the model {requested!r} does not exist: this server "
+                            f"serves {model_name!r} (GET /v1/models)")
+
+
 def _error(error: RequestError | RequestFailed) -> JSONResponse:
     """A refused request's status (naming the field), or 500 for one the engine failed."""
     if isinstance(error, RequestError):
-        return JSONResponse(error_body(str(error), error.param), status_code=error.status)
+        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(error), error.param, kind), status_code=error.status)
     return JSONResponse(error_body(str(error), None, "server_error"), status_code=500)
 
 
@@ -172,8 +185,10 @@ async def _collect(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
 
 
 async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
-                  metrics: ServerMetrics) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token, then `[DONE]`.
+                  metrics: ServerMetrics, usage_prompt_tokens: int | None
+                  ) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token, then (when `usage_prompt_tokens` is given, for
+    `stream_options.include_usage`) a chunk with the token counts, then `[DONE]`.
 
     A failure after the first token can only be told in the stream, as an error event. A
     client that disconnects ends this generator; closing `outputs` then aborts the request in
@@ -183,6 +198,9 @@ async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
         async for output in outputs:
             metrics.observe(output)
             yield f"data: {json.dumps(fmt.chunk(output.text, output.finish_reason))}\n\n"
+            if output.finish_reason and usage_prompt_tokens is not None:
+                usage = fmt.usage_chunk(usage_prompt_tokens, output.num_output_tokens)
+                yield f"data: {json.dumps(usage)}\n\n"
     except RequestFailed as error:
         yield f"data: {json.dumps(error_body(str(error), None, 'server_error'))}\n\n"
     finally:

@@ -22,5 +22,11 @@ class BodyTooLarge(RequestError):
     status = 413
 
 
+class ModelNotFound(RequestError):
+    """A request for a model this server does not serve (HTTP 404, as OpenAI answers)."""
+
+    status = 404
+
+
 class RequestFailed(RuntimeError):
     """The engine failed while serving this request (not the others in flight): HTTP 500."""

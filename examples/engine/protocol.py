@@ -24,11 +24,13 @@ DEFAULT_MAX_TOKENS = 16
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A checked request: what the engine runs, and how the answer is sent."""
+    """A checked request: what the engine runs, and how the answer is sent (`include_usage`:
+    a stream ends with a chunk holding the token counts)."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
+    include_usage: bool = False
 
 
 def _is_int(value: Any) -> bool:
@@ -72,6 +74,22 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: _is_int(v) and v == 1, "1 (one choice per request)"),
     "presence_penalty": _NO_PENALTY,
     "frequency_penalty": _NO_PENALTY,
+    "max_completion_tokens": (_is_int, _INT),
+    "stream_options": (lambda v: isinstance(v, dict) and set(v) <= {"include_usage"}
+                       and isinstance(v.get("include_usage", False), bool),
+                       'an object {"include_usage": true|false}'),
+}
+
+# OpenAI's fields this engine does not implement, each with the values that ask for nothing
+# (what the official client sends when the caller leaves it out): anything else is refused, so a
+# client never gets an answer that silently ignored what it asked for.
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
+    "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
+    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
+    "repetition_penalty": (None, 1, 1.0), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "web_search_options": (None,),
 }
 
 
@@ -91,13 +109,26 @@ def _shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral in _UNSUPPORTED.items():
+        if name in body and not any(body[name] == n and type(body[name]) is type(n)
+                                    for n in neutral):
+            raise RequestError(name, f"{name} is not supported by this server, got "
+                               f"{_shown(body[name])} (leave it out)")
+
+
 def _sampling_params(body: dict[str, Any]) -> SamplingParams:
+    _refuse_unsupported(body)
     for name in _FIELDS:
         _field(body, name)  # type checks first: their messages are the clearest
     stop = _field(body, "stop", ())
     top_k = _field(body, "top_k", 0)
+    # The chat API's newer name wins, as in OpenAI's and vLLM's servers.
+    max_tokens = _field(body, "max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", DEFAULT_MAX_TOKENS)
     return SamplingParams(
-        max_tokens=_field(body, "max_tokens", DEFAULT_MAX_TOKENS),
+        max_tokens=max_tokens,
         temperature=float(_field(body, "temperature", 1.0)),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's "off"
         top_p=float(_field(body, "top_p", 1.0)),
@@ -119,8 +150,7 @@ def parse_completion(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
     else:
         raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list "
                            f"of token ids, got {_shown(prompt)}")
-    return GenerationRequest(prompt_token_ids, _sampling_params(body), _field(body, "stream",
-                                                                              False))
+    return _request(prompt_token_ids, _sampling_params(body), body)
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
@@ -138,7 +168,17 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
         prompt_token_ids = tokenizer.encode_chat(messages)
     except Exception as error:  # a template's raise_exception, or a template bug
         raise RequestError("messages", f"the chat template failed: {error}") from None
-    return GenerationRequest(prompt_token_ids, params, _field(body, "stream", False))
+    return _request(prompt_token_ids, params, body)
+
+
+def _request(prompt_token_ids: list[int], params: SamplingParams, body: dict[str, Any]
+             ) -> GenerationRequest:
+    stream = _field(body, "stream", False)
+    options = _field(body, "stream_options", {})
+    if options and not stream:
+        raise RequestError("stream_options", "stream_options is only allowed with stream: true")
+    return GenerationRequest(prompt_token_ids, params, stream,
+                             options.get("include_usage", False))
 
 
 def error_body(message: str, param: str | None, kind: str = "invalid_request_error"
@@ -172,10 +212,23 @@ class ResponseFormat:
                  completion_tokens: int) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
         body = self._object(kind, self._choice(text, finish_reason, stream=False))
-        body["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                         "total_tokens": prompt_tokens + completion_tokens}
+        body["usage"] = _usage(prompt_tokens, completion_tokens)
         return body
 
     def chunk(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return self._object(kind, self._choice(text, finish_reason, stream=True))
+        return self._object(self._chunk_kind, self._choice(text, finish_reason, stream=True))
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """A stream's last chunk under `stream_options.include_usage`: no choices, the counts."""
+        body = {**self._object(self._chunk_kind, {}), "choices": []}
+        body["usage"] = _usage(prompt_tokens, completion_tokens)
+        return body
+
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

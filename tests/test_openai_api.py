@@ -1,0 +1,115 @@
+"""The OpenAI API's fields: what the server implements answers as OpenAI does, what it does not
+is refused naming the field (never silently ignored), and an unknown model is a 404. Checked
+with plain HTTP and, in the slow suite, with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from tests.test_server import checkpoint, serving  # noqa: E402, F401 (a fixture)
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def url(checkpoint):  # noqa: F811
+    with serving(str(checkpoint), "piecewise") as url:
+        yield url
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=60)
+
+
+def served_model(url: str) -> str:
+    return httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+
+
+UNSUPPORTED = {
+    "logprobs": 1, "top_logprobs": 2, "echo": True, "logit_bias": {"5": 10},
+    "best_of": 2, "suffix": "!", "tools": [{"type": "function"}], "tool_choice": "auto",
+    "response_format": {"type": "json_object"}, "repetition_penalty": 1.2,
+}
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("field", list(UNSUPPORTED))
+def test_a_field_the_server_does_not_implement_is_refused_naming_it(url, path, field):
+    base = ({"prompt": "hello"} if path == COMPLETIONS
+            else {"messages": [{"role": "user", "content": "hello"}]})
+    for stream in (False, True):
+        response = post(url, path, {**base, field: UNSUPPORTED[field], "stream": stream})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == field and f"{field} is not supported" in error["message"]
+
+
+def test_the_values_that_ask_for_nothing_are_served(url):
+    body = {"prompt": "hello", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1,
+            "logit_bias": {}, "response_format": {"type": "text"}, "suffix": None}
+    assert post(url, COMPLETIONS, body).status_code == 200
+
+
+def test_max_completion_tokens_bounds_the_output_and_wins_over_max_tokens(url):
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_completion_tokens": 5,
+            "max_tokens": 16, "ignore_eos": True, "temperature": 0}
+    data = post(url, CHAT, body).json()
+    assert data["usage"]["completion_tokens"] == 5
+    assert data["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_stream_with_include_usage_ends_with_the_counts(url, path):
+    base = ({"prompt": "hello there"} if path == COMPLETIONS
+            else {"messages": [{"role": "user", "content": "hello there"}]})
+    body = {**base, "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(len(c["choices"]) == 1 and "usage" not in c for c in chunks[:-1])
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 4
+    refused = post(url, path, {**base, "stream_options": {"include_usage": True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+
+
+def test_an_unknown_model_is_a_404_and_the_served_one_is_answered(url):
+    for stream in (False, True):
+        response = post(url, COMPLETIONS, {"prompt": "hi", "model": "gpt-4o", "stream": stream})
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert error["param"] == "model" and "'gpt-4o' does not exist" in error["message"]
+    name = served_model(url)
+    assert post(url, COMPLETIONS, {"prompt": "hi", "model": name, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.slow
+def test_the_official_openai_client(url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+    name = served_model(url)
+    completion = client.completions.create(model=name, prompt="hello", max_tokens=3,
+                                           temperature=0, extra_body={"ignore_eos": True})
+    assert completion.usage.completion_tokens == 3 and completion.choices[0].text is not None
+    chat = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hello"}], max_completion_tokens=4,
+        temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 4
+    streamed = list(client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hello"}], max_completion_tokens=4,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content and streamed[-1].usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="hello", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        client.completions.create(model=name, prompt="hello", max_tokens=1, logprobs=2)

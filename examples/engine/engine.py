@@ -23,6 +23,7 @@ import kvgraph
 from .block_allocator import BlockAllocator, blocks_for
 from .detokenizer import Detokenizer
 from .errors import RequestError
+from .logprobs import TokenLogprobs, batch_logprobs
 from .request import Completion, FinishReason, Request, RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -84,7 +85,7 @@ class LLMEngine:
             raise RequestError("request_id", f"request id {request_id!r} is already in flight")
         request = Request(
             request_id, list(prompt_token_ids), params,
-            Detokenizer(self.tokenizer, params.stop), time.perf_counter(),
+            Detokenizer(self.tokenizer, params.stop, prompt_token_ids), time.perf_counter(),
             generator=None if params.seed is None else self.sampler.new_generator(params.seed),
         )
         self.requests[request_id] = request
@@ -128,9 +129,19 @@ class LLMEngine:
                 ready.append(chunk.request)
         if ready:
             now = time.perf_counter()
-            tokens = self._sample(torch.stack(rows), ready)
-            outputs += [self._emit(request, token, now) for request, token in zip(ready, tokens)]
+            logits = torch.stack(rows)
+            tokens = self._sample(logits, ready)
+            logprobs = self._logprobs(logits, tokens, ready)
+            outputs += [self._emit(request, token, now, lp)
+                        for request, token, lp in zip(ready, tokens, logprobs)]
         return outputs
+
+    def _logprobs(self, logits: torch.Tensor, tokens: list[Sampled], requests: list[Request]
+                  ) -> list[TokenLogprobs | None]:
+        """The logprobs of each request that asked for them (and whose sampling worked)."""
+        ks = [None if isinstance(t, Exception) else r.params.logprobs
+              for r, t in zip(requests, tokens)]
+        return batch_logprobs(logits, [0 if isinstance(t, Exception) else t for t in tokens], ks)
 
     def _forward(self, chunks: list[ScheduledChunk]
                  ) -> tuple[list[tuple[ScheduledChunk, torch.Tensor]], list[RequestOutput]]:
@@ -171,12 +182,13 @@ class LLMEngine:
                     sampled.append(error)
             return sampled
 
-    def _emit(self, request: Request, token: Sampled, now: float) -> RequestOutput:
+    def _emit(self, request: Request, token: Sampled, now: float,
+              logprobs: TokenLogprobs | None) -> RequestOutput:
         """The request's output for its sampled token, or its failure."""
         if isinstance(token, Exception):
             return self._fail(request, "sampling failed", token)
         try:
-            return self._append(request, token, now)
+            return self._append(request, token, now, logprobs)
         except Exception as error:  # noqa: BLE001 - a tokenizer's error is this request's
             return self._fail(request, "detokenizing failed", error)
 
@@ -192,7 +204,8 @@ class LLMEngine:
                              len(request.output_token_ids), FinishReason.ABORT,
                              error=request.error)
 
-    def _append(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _append(self, request: Request, token: int, now: float,
+                logprobs: TokenLogprobs | None = None) -> RequestOutput:
         first = not request.output_token_ids
         request.output_token_ids.append(token)
         request.finish_reason = self._finish_reason(request, token)
@@ -203,7 +216,7 @@ class LLMEngine:
             request.request_id, (token,), request.detokenizer.take(request.finished),
             len(request.prompt_token_ids), len(request.output_token_ids), request.finish_reason,
             ttft=now - request.arrival_time if first else None,
-            itl=None if first else now - request.last_token_time,
+            itl=None if first else now - request.last_token_time, logprobs=logprobs,
         )
         request.last_token_time = now
         return output

@@ -80,7 +80,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     async def generate(http: Request, chat: bool) -> Response:
         fmt = ResponseFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
-                             chat)
+                             chat, token_text=lambda token: tokenizer.decode([token]))
         try:
             body = parse_json(await read_body(http))
             _check_model(body, model_name)
@@ -169,11 +169,13 @@ async def _collect(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
     A client that disconnects is noticed at its request's next token: closing `outputs` then
     aborts the request and frees its blocks, as for a stream.
     """
-    texts, last = [], None
+    texts, logprobs, last = [], [], None
     try:
         async for output in outputs:
             metrics.observe(output)
             texts.append(output.text)
+            if output.logprobs is not None:
+                logprobs.append(output.logprobs)
             last = output
             if not output.finish_reason and await http.is_disconnected():
                 await outputs.aclose()
@@ -181,7 +183,7 @@ async def _collect(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
     except RequestFailed as error:
         return _error(error)
     return JSONResponse(fmt.response("".join(texts), last.finish_reason, prompt_tokens,
-                                     last.num_output_tokens))
+                                     last.num_output_tokens, logprobs))
 
 
 async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
@@ -197,7 +199,8 @@ async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
     try:
         async for output in outputs:
             metrics.observe(output)
-            yield f"data: {json.dumps(fmt.chunk(output.text, output.finish_reason))}\n\n"
+            chunk = fmt.chunk(output.text, output.finish_reason, output.logprobs)
+            yield f"data: {json.dumps(chunk)}\n\n"
             if output.finish_reason and usage_prompt_tokens is not None:
                 usage = fmt.usage_chunk(usage_prompt_tokens, output.num_output_tokens)
                 yield f"data: {json.dumps(usage)}\n\n"

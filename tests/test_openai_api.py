@@ -31,7 +31,7 @@ def served_model(url: str) -> str:
 
 
 UNSUPPORTED = {
-    "logprobs": 1, "top_logprobs": 2, "echo": True, "logit_bias": {"5": 10},
+    "echo": True, "logit_bias": {"5": 10},
     "best_of": 2, "suffix": "!", "tools": [{"type": "function"}], "tool_choice": "auto",
     "response_format": {"type": "json_object"}, "repetition_penalty": 1.2,
 }
@@ -50,7 +50,7 @@ def test_a_field_the_server_does_not_implement_is_refused_naming_it(url, path, f
 
 
 def test_the_values_that_ask_for_nothing_are_served(url):
-    body = {"prompt": "hello", "max_tokens": 2, "logprobs": None, "echo": False, "best_of": 1,
+    body = {"prompt": "hello", "max_tokens": 2, "echo": False, "best_of": 1,
             "logit_bias": {}, "response_format": {"type": "text"}, "suffix": None}
     assert post(url, COMPLETIONS, body).status_code == 200
 
@@ -91,6 +91,39 @@ def test_an_unknown_model_is_a_404_and_the_served_one_is_answered(url):
     assert post(url, COMPLETIONS, {"prompt": "hi", "model": name, "max_tokens": 1}).status_code == 200
 
 
+def test_completions_logprobs_come_per_token_streamed_or_not(url):
+    body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+            "logprobs": 2}
+    logprobs = post(url, COMPLETIONS, body).json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 4
+    assert all(len(top) <= 2 for top in logprobs["top_logprobs"])
+    # Greedy: each token is the most likely (top_logprobs is keyed by text, so two tokens that
+    # decode alike share one entry: the chosen one's logprob is at least the entries').
+    assert all(lp >= max(top.values()) for lp, top in zip(logprobs["token_logprobs"],
+                                                           logprobs["top_logprobs"]))
+    assert logprobs["text_offset"][0] == 0
+    with httpx.stream("POST", f"{url}{COMPLETIONS}", json={**body, "stream": True},
+                      timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    streamed = [json.loads(e)["choices"][0]["logprobs"] for e in events[:-1]]
+    assert [s["token_logprobs"][0] for s in streamed] == pytest.approx(logprobs["token_logprobs"])
+
+
+def test_chat_logprobs_come_as_records_and_their_options_are_checked(url):
+    base = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
+            "ignore_eos": True, "temperature": 0}
+    content = post(url, CHAT, {**base, "logprobs": True, "top_logprobs": 3}).json()[
+        "choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert all(len(c["top_logprobs"]) == 3 and c["bytes"] == list(c["token"].encode())
+               for c in content)
+    assert post(url, CHAT, base).json()["choices"][0]["logprobs"] is None
+    for bad, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
+                       ({"logprobs": True, "top_logprobs": 21}, "logprobs")]:
+        response = post(url, CHAT, {**base, **bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, bad
+
+
 @pytest.mark.slow
 def test_the_official_openai_client(url):
     openai = pytest.importorskip("openai")
@@ -111,5 +144,11 @@ def test_the_official_openai_client(url):
     assert text == chat.choices[0].message.content and streamed[-1].usage.completion_tokens == 4
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="hello", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
-        client.completions.create(model=name, prompt="hello", max_tokens=1, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
+        client.completions.create(model=name, prompt="hello", max_tokens=1, echo=True)
+    scored = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hello"}], max_completion_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    content = scored.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy: the best

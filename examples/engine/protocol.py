@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .errors import RequestError
+from .logprobs import MAX_LOGPROBS, TokenLogprobs
 from .request import FinishReason
 from .sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -84,7 +85,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 # (what the official client sends when the caller leaves it out): anything else is refused, so a
 # client never gets an answer that silently ignored what it asked for.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False), "top_logprobs": (None,), "echo": (None, False),
+    "echo": (None, False),
     "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
@@ -117,7 +118,31 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                                f"{_shown(body[name])} (leave it out)")
 
 
-def _sampling_params(body: dict[str, Any]) -> SamplingParams:
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs`: how many top alternatives each token comes with."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return None
+    if not _is_int(value):
+        raise RequestError("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                           f"{_shown(value)}")
+    return value
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs` (a boolean) and `top_logprobs` (how many alternatives)."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked is not None and not isinstance(asked, bool):
+        raise RequestError("logprobs", f"logprobs must be a boolean, got {_shown(asked)}")
+    if top is not None and not _is_int(top):
+        raise RequestError("top_logprobs", f"top_logprobs must be an integer in [0, "
+                           f"{MAX_LOGPROBS}], got {_shown(top)}")
+    if top is not None and not asked:
+        raise RequestError("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if asked else None
+
+
+def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
     _refuse_unsupported(body)
     for name in _FIELDS:
         _field(body, name)  # type checks first: their messages are the clearest
@@ -135,6 +160,7 @@ def _sampling_params(body: dict[str, Any]) -> SamplingParams:
         seed=_field(body, "seed"),
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         ignore_eos=_field(body, "ignore_eos", False),
+        logprobs=logprobs,
     )
 
 
@@ -150,7 +176,7 @@ def parse_completion(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
     else:
         raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list "
                            f"of token ids, got {_shown(prompt)}")
-    return _request(prompt_token_ids, _sampling_params(body), body)
+    return _request(prompt_token_ids, _sampling_params(body, _completion_logprobs(body)), body)
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
@@ -163,7 +189,7 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
             and isinstance(m.get("content"), str) for m in messages)):
         raise RequestError("messages", "messages must be a non-empty list of objects with "
                            "string 'role' and 'content'")
-    params = _sampling_params(body)
+    params = _sampling_params(body, _chat_logprobs(body))
     try:
         prompt_token_ids = tokenizer.encode_chat(messages)
     except Exception as error:  # a template's raise_exception, or a template bug
@@ -194,29 +220,58 @@ class ResponseFormat:
     model: str
     chat: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    token_text: Callable[[int], str] = str  # a token id's text, for logprobs
 
-    def _choice(self, text: str, finish_reason: FinishReason | None, stream: bool
-                ) -> dict[str, Any]:
+    def _choice(self, text: str, finish_reason: FinishReason | None, stream: bool,
+                logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
         reason = None if finish_reason is None else finish_reason.value
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text, "logprobs": self._completion_logprobs(logprobs),
+                    "finish_reason": reason}
         key = "delta" if stream else "message"
         return {"index": 0, key: {"role": "assistant", "content": text},
-                "finish_reason": reason}
+                "logprobs": self._chat_logprobs(logprobs), "finish_reason": reason}
+
+    def _completion_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
+        """The completions API's logprobs object (parallel lists, one entry per token)."""
+        if not entries:
+            return None
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
+        """The chat API's logprobs object (one record per token, its alternatives inside)."""
+        if not entries:
+            return None
+
+        def record(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob,
+                    "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+        return {"content": [{**record(e.token_id, e.logprob),
+                             "top_logprobs": [record(t, lp) for t, lp in e.top]}
+                            for e in entries]}
 
     def _object(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
                 "model": self.model, "choices": [choice]}
 
     def response(self, text: str, finish_reason: FinishReason, prompt_tokens: int,
-                 completion_tokens: int) -> dict[str, Any]:
+                 completion_tokens: int, logprobs: list[TokenLogprobs] | None = None
+                 ) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
-        body = self._object(kind, self._choice(text, finish_reason, stream=False))
+        body = self._object(kind, self._choice(text, finish_reason, False, logprobs))
         body["usage"] = _usage(prompt_tokens, completion_tokens)
         return body
 
-    def chunk(self, text: str, finish_reason: FinishReason | None) -> dict[str, Any]:
-        return self._object(self._chunk_kind, self._choice(text, finish_reason, stream=True))
+    def chunk(self, text: str, finish_reason: FinishReason | None,
+              logprobs: TokenLogprobs | None = None) -> dict[str, Any]:
+        entries = None if logprobs is None else [logprobs]
+        return self._object(self._chunk_kind, self._choice(text, finish_reason, True, entries))
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         """A stream's last chunk under `stream_options.include_usage`: no choices, the counts."""

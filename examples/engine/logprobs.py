@@ -8,9 +8,12 @@ ops for every request of the step that asked, with one transfer to the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .request import Request
 
 # The most alternatives a request may ask for (OpenAI's chat `top_logprobs` bound).
 MAX_LOGPROBS = 20
@@ -21,7 +24,7 @@ class TokenLogprobs:
     """One sampled token's log-probability and the `k` most likely tokens', best first."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None for a prompt's first token: nothing comes before it
     top: tuple[tuple[int, float], ...]
 
 
@@ -37,9 +40,32 @@ def batch_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int
     logprobs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
     chosen = torch.tensor([tokens[r] for r in rows], device=device)
     chosen_logprobs = logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-    top_values, top_ids = logprobs.topk(max(ks[r] for r in rows), dim=-1)
+    top_values, top_ids = logprobs.topk(min(max(ks[r] for r in rows), logprobs.shape[1]), dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for i, r in enumerate(rows):
         top = tuple(zip(top_ids[i][:ks[r]], top_values[i][:ks[r]]))
         result[r] = TokenLogprobs(tokens[r], chosen_logprobs[i], top)
     return result
+
+
+def prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                    chunks: Sequence[tuple[Request, int, int]]) -> None:
+    """Record, on each request that asked, the logprobs of the prompt tokens its chunk of this
+    step predicts. `hidden` is the step's output in token order; each chunk is `(request, its
+    first position, its number of tokens)`, in that order. A position is recorded once, so a
+    preempted request recomputing its prompt adds nothing."""
+    offset = 0
+    for request, start, count in chunks:
+        k = request.params.prompt_logprobs
+        recorded = request.prompt_logprobs
+        if k is not None and not recorded:
+            recorded.append(TokenLogprobs(request.prompt_token_ids[0], None, ()))
+        # Row `start + i` predicts the token at position `start + i + 1`.
+        first = max(start + 1, len(recorded))
+        last = min(start + count, len(request.prompt_token_ids) - 1)
+        if k is not None and first <= last:
+            rows = torch.arange(offset + first - 1 - start, offset + last - start,
+                                device=hidden.device)
+            tokens = request.prompt_token_ids[first:last + 1]
+            recorded += batch_logprobs(compute_logits(hidden[rows]), tokens, [k] * len(tokens))
+        offset += count

@@ -1,4 +1,5 @@
-"""The OpenAI-style HTTP protocol: request bodies checked into engine inputs, and responses.
+"""The OpenAI-style HTTP protocol's requests: bodies checked into engine inputs (the answers'
+objects are in responses.py).
 
 Plain Python (no web framework): every field is checked for its type here (numbers finite,
 integers within int64, bools never numbers) and for its range by `SamplingParams`; a bad one
@@ -10,13 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import RequestError
-from .logprobs import MAX_LOGPROBS, TokenLogprobs
-from .request import FinishReason
+from .logprobs import MAX_LOGPROBS
 from .sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 # OpenAI's default when a request gives no max_tokens.
@@ -32,6 +31,7 @@ class GenerationRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool = False
+    echo_text: str = ""  # `echo`: the prompt's text, put before the answer's
 
 
 def _is_int(value: Any) -> bool:
@@ -110,9 +110,9 @@ def _shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
+def _refuse_unsupported(body: dict[str, Any], allowed: tuple[str, ...]) -> None:
     for name, neutral in _UNSUPPORTED.items():
-        if name in body and not any(body[name] == n and type(body[name]) is type(n)
+        if name in body and name not in allowed and not any(body[name] == n and type(body[name]) is type(n)
                                     for n in neutral):
             raise RequestError(name, f"{name} is not supported by this server, got "
                                f"{_shown(body[name])} (leave it out)")
@@ -142,8 +142,10 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if asked else None
 
 
-def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingParams:
-    _refuse_unsupported(body)
+def _sampling_params(body: dict[str, Any], logprobs: int | None,
+                     prompt_logprobs: int | None = None, allowed: tuple[str, ...] = ()
+                     ) -> SamplingParams:
+    _refuse_unsupported(body, allowed)
     for name in _FIELDS:
         _field(body, name)  # type checks first: their messages are the clearest
     stop = _field(body, "stop", ())
@@ -161,6 +163,7 @@ def _sampling_params(body: dict[str, Any], logprobs: int | None) -> SamplingPara
         stop=(stop,) if isinstance(stop, str) else tuple(stop),
         ignore_eos=_field(body, "ignore_eos", False),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=float(_field(body, "presence_penalty", 0.0)),
         frequency_penalty=float(_field(body, "frequency_penalty", 0.0)),
         repetition_penalty=float(_field(body, "repetition_penalty", 1.0)),
@@ -179,7 +182,14 @@ def parse_completion(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
     else:
         raise RequestError("prompt", "prompt must be a non-empty string or a non-empty list "
                            f"of token ids, got {_shown(prompt)}")
-    return _request(prompt_token_ids, _sampling_params(body, _completion_logprobs(body)), body)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise RequestError("echo", f"echo must be a boolean, got {_shown(echo)}")
+    logprobs = _completion_logprobs(body)
+    # Echo with logprobs scores the prompt too: what loglikelihood evaluation asks for.
+    params = _sampling_params(body, logprobs, logprobs if echo else None, allowed=("echo",))
+    echo_text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt)) if echo else ""
+    return _request(prompt_token_ids, params, body, echo_text)
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
@@ -200,93 +210,11 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> GenerationRequest:
     return _request(prompt_token_ids, params, body)
 
 
-def _request(prompt_token_ids: list[int], params: SamplingParams, body: dict[str, Any]
-             ) -> GenerationRequest:
+def _request(prompt_token_ids: list[int], params: SamplingParams, body: dict[str, Any],
+             echo_text: str = "") -> GenerationRequest:
     stream = _field(body, "stream", False)
     options = _field(body, "stream_options", {})
     if options and not stream:
         raise RequestError("stream_options", "stream_options is only allowed with stream: true")
     return GenerationRequest(prompt_token_ids, params, stream,
-                             options.get("include_usage", False))
-
-
-def error_body(message: str, param: str | None, kind: str = "invalid_request_error"
-               ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param}}
-
-
-@dataclass(frozen=True)
-class ResponseFormat:
-    """How one endpoint shapes its answers (OpenAI's completion or chat objects)."""
-
-    request_id: str
-    model: str
-    chat: bool
-    created: int = field(default_factory=lambda: int(time.time()))
-    token_text: Callable[[int], str] = str  # a token id's text, for logprobs
-
-    def _choice(self, text: str, finish_reason: FinishReason | None, stream: bool,
-                logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
-        reason = None if finish_reason is None else finish_reason.value
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": self._completion_logprobs(logprobs),
-                    "finish_reason": reason}
-        key = "delta" if stream else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text},
-                "logprobs": self._chat_logprobs(logprobs), "finish_reason": reason}
-
-    def _completion_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
-        """The completions API's logprobs object (parallel lists, one entry per token)."""
-        if not entries:
-            return None
-        tokens = [self.token_text(e.token_id) for e in entries]
-        offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
-                "text_offset": offsets}
-
-    def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
-        """The chat API's logprobs object (one record per token, its alternatives inside)."""
-        if not entries:
-            return None
-
-        def record(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob,
-                    "bytes": list(text.encode("utf-8", "surrogatepass"))}
-
-        return {"content": [{**record(e.token_id, e.logprob),
-                             "top_logprobs": [record(t, lp) for t, lp in e.top]}
-                            for e in entries]}
-
-    def _object(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
-        return {"id": self.request_id, "object": kind, "created": self.created,
-                "model": self.model, "choices": [choice]}
-
-    def response(self, text: str, finish_reason: FinishReason, prompt_tokens: int,
-                 completion_tokens: int, logprobs: list[TokenLogprobs] | None = None
-                 ) -> dict[str, Any]:
-        kind = "chat.completion" if self.chat else "text_completion"
-        body = self._object(kind, self._choice(text, finish_reason, False, logprobs))
-        body["usage"] = _usage(prompt_tokens, completion_tokens)
-        return body
-
-    def chunk(self, text: str, finish_reason: FinishReason | None,
-              logprobs: TokenLogprobs | None = None) -> dict[str, Any]:
-        entries = None if logprobs is None else [logprobs]
-        return self._object(self._chunk_kind, self._choice(text, finish_reason, True, entries))
-
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        """A stream's last chunk under `stream_options.include_usage`: no choices, the counts."""
-        body = {**self._object(self._chunk_kind, {}), "choices": []}
-        body["usage"] = _usage(prompt_tokens, completion_tokens)
-        return body
-
-    @property
-    def _chunk_kind(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+                             options.get("include_usage", False), echo_text)

@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     last_token_time: float | None = None
     error: str | None = None  # why the engine failed it, when it did
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # when its params ask
     # Prefix caching: the chain hash of each full block of tokens computed so far (kept through
     # preemption: tokens never change), and how many leading `block_ids` are in the cache.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -88,6 +89,7 @@ class RequestOutput:
     itl: float | None = None
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request's params asked for them
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # on the first output, if asked
 
     @property
     def finished(self) -> bool:

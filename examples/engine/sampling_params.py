@@ -23,7 +23,8 @@ class SamplingParams:
     the same tokens whatever else is in its batches. Generation stops after `max_tokens`
     tokens, at the first of `stop` strings (left out of the text), at a `stop_token_ids`
     token, or at the tokenizer's end-of-sequence token unless `ignore_eos`. `logprobs` (None: not
-    asked) gives each output its token's log-probability and that many top alternatives'.
+    asked) gives each output its token's log-probability and that many top alternatives';
+    `prompt_logprobs` does the same for every prompt token (on the first output).
     The penalties are vLLM's (examples/engine/penalties.py); 0, 0 and 1 switch them off.
     Numbers must be finite, and integers fit in int64.
     """
@@ -37,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -55,6 +57,8 @@ class SamplingParams:
             ("stop", all(self.stop), "must not contain an empty string"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"must lie in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, f"must lie in [0, {MAX_LOGPROBS}]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must lie in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must lie in [-2, 2]"),
             ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must lie in (0, 2]"),

@@ -1,0 +1,94 @@
+"""The OpenAI-style answers: completion and chat objects, whole or as stream chunks, with their
+logprobs, and error bodies."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .logprobs import TokenLogprobs
+from .request import FinishReason
+
+
+def error_body(message: str, param: str | None, kind: str = "invalid_request_error"
+               ) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param}}
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """How one endpoint shapes its answers (OpenAI's completion or chat objects)."""
+
+    request_id: str
+    model: str
+    chat: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_text: Callable[[int], str] = str  # a token id's text, for logprobs
+
+    def _choice(self, text: str, finish_reason: FinishReason | None, stream: bool,
+                logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        reason = None if finish_reason is None else finish_reason.value
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": self._completion_logprobs(logprobs),
+                    "finish_reason": reason}
+        key = "delta" if stream else "message"
+        return {"index": 0, key: {"role": "assistant", "content": text},
+                "logprobs": self._chat_logprobs(logprobs), "finish_reason": reason}
+
+    def _completion_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
+        """The completions API's logprobs object (parallel lists, one entry per token)."""
+        if not entries:
+            return None
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [None if e.logprob is None
+                                 else {self.token_text(t): lp for t, lp in e.top}
+                                 for e in entries],
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
+        """The chat API's logprobs object (one record per token, its alternatives inside)."""
+        if not entries:
+            return None
+
+        def record(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob,
+                    "bytes": list(text.encode("utf-8", "surrogatepass"))}
+
+        return {"content": [{**record(e.token_id, e.logprob),
+                             "top_logprobs": [record(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def _object(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": kind, "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def response(self, text: str, finish_reason: FinishReason, prompt_tokens: int,
+                 completion_tokens: int, logprobs: list[TokenLogprobs] | None = None
+                 ) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        body = self._object(kind, self._choice(text, finish_reason, False, logprobs))
+        body["usage"] = _usage(prompt_tokens, completion_tokens)
+        return body
+
+    def chunk(self, text: str, finish_reason: FinishReason | None,
+              logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
+        return self._object(self._chunk_kind, self._choice(text, finish_reason, True, logprobs))
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """A stream's last chunk under `stream_options.include_usage`: no choices, the counts."""
+        body = {**self._object(self._chunk_kind, {}), "choices": []}
+        body["usage"] = _usage(prompt_tokens, completion_tokens)
+        return body
+
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import socket
 import threading
@@ -40,21 +39,23 @@ from kvgraph import CompileError
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from .engine.errors import ModelNotFound
-    from .engine.logprobs import TokenLogprobs
+    from .engine.http_answers import collect, events, merged, resume
+    from .engine.sampling_params import SamplingParams
     from .engine import build_engine
     from .engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
     from .engine.metrics import CountResponses, ServerMetrics
-    from .engine.protocol import parse_chat, parse_completion
+    from .engine.protocol import GenerationRequest, parse_chat, parse_completion
     from .engine.responses import ResponseFormat, error_body
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
     from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from engine.errors import ModelNotFound
-    from engine.logprobs import TokenLogprobs
+    from engine.http_answers import collect, events, merged, resume
+    from engine.sampling_params import SamplingParams
     from engine import build_engine
     from engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH, parse_json, read_body
     from engine.metrics import CountResponses, ServerMetrics
-    from engine.protocol import parse_chat, parse_completion
+    from engine.protocol import GenerationRequest, parse_chat, parse_completion
     from engine.responses import ResponseFormat, error_body
     from models import DeepseekMLA, Llama
 
@@ -91,16 +92,15 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             _check_model(body, model_name)
             parsed = (parse_chat if chat else parse_completion)(body, tokenizer)
             engine.check(parsed.prompt_token_ids, parsed.params)
-            outputs = engine.generate(fmt.request_id, parsed.prompt_token_ids, parsed.params)
-            first = await anext(outputs)  # before any header: a refusal is a real status
+            outputs = merged(await _start(engine, parsed, fmt.request_id))
         except (RequestError, RequestFailed) as error:
             return _error(error)
-        outputs = _resume(_echoed(first, parsed.echo_text), outputs)
+        prompt_tokens = len(parsed.prompt_token_ids)
         if parsed.stream:
-            usage = len(parsed.prompt_token_ids) if parsed.include_usage else None
-            return StreamingResponse(_events(outputs, fmt, metrics, usage),
+            usage = prompt_tokens if parsed.include_usage else None
+            return StreamingResponse(events(outputs, fmt, metrics, usage),
                                      media_type="text/event-stream")
-        return await _collect(outputs, fmt, len(parsed.prompt_token_ids), metrics, http)
+        return await collect(outputs, parsed.n, fmt, prompt_tokens, metrics, http, _error)
 
     @app.post(COMPLETIONS)
     async def completions(http: Request) -> Response:
@@ -156,74 +156,32 @@ async def _internal_error(http: Request, error: Exception) -> JSONResponse:
                                    "server_error"), status_code=500)
 
 
-async def _resume(first: RequestOutput, outputs: AsyncIterator[RequestOutput]
-                  ) -> AsyncIterator[RequestOutput]:
-    """`outputs` with `first`, already taken from it, back in front; closing it closes them."""
+async def _start(engine: AsyncEngine, parsed: GenerationRequest, request_id: str
+                 ) -> list[AsyncIterator[RequestOutput]]:
+    """Each choice's output stream, its first output already there (so a refusal or failure
+    that early is a real status); streams started before a failure are closed."""
+    streams: list[AsyncIterator[RequestOutput]] = []
     try:
-        yield first
-        async for output in outputs:
-            yield output
-    finally:
-        await outputs.aclose()
+        for i in range(parsed.n):
+            params = parsed.params if i == 0 else _nth_choice(parsed.params, i)
+            stream = engine.generate(request_id if parsed.n == 1 else f"{request_id}-{i}",
+                                     parsed.prompt_token_ids, params)
+            streams.append(stream)
+            first = await anext(stream)
+            streams[-1] = resume(first, stream, parsed.echo_text)
+    except BaseException:
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return streams
 
 
-def _echoed(first: RequestOutput, echo_text: str) -> RequestOutput:
-    """The first output with the prompt's text before its own (`echo`)."""
-    return dataclasses.replace(first, text=echo_text + first.text) if echo_text else first
-
-
-def _logprobs_of(output: RequestOutput) -> list[TokenLogprobs] | None:
-    """An output's logprobs entries: its prompt's (first output, `echo`), then its token's."""
-    entries = [*(output.prompt_logprobs or ()), *([output.logprobs] if output.logprobs else [])]
-    return entries or None
-
-
-async def _collect(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
-                   prompt_tokens: int, metrics: ServerMetrics, http: Request) -> Response:
-    """A non-streaming answer: every output of the request, joined.
-
-    A client that disconnects is noticed at its request's next token: closing `outputs` then
-    aborts the request and frees its blocks, as for a stream.
-    """
-    texts, logprobs, last = [], [], None
-    try:
-        async for output in outputs:
-            metrics.observe(output)
-            texts.append(output.text)
-            logprobs += _logprobs_of(output) or ()
-            last = output
-            if not output.finish_reason and await http.is_disconnected():
-                await outputs.aclose()
-                return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-    except RequestFailed as error:
-        return _error(error)
-    return JSONResponse(fmt.response("".join(texts), last.finish_reason, prompt_tokens,
-                                     last.num_output_tokens, logprobs))
-
-
-async def _events(outputs: AsyncIterator[RequestOutput], fmt: ResponseFormat,
-                  metrics: ServerMetrics, usage_prompt_tokens: int | None
-                  ) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token, then (when `usage_prompt_tokens` is given, for
-    `stream_options.include_usage`) a chunk with the token counts, then `[DONE]`.
-
-    A failure after the first token can only be told in the stream, as an error event. A
-    client that disconnects ends this generator; closing `outputs` then aborts the request in
-    the engine, which frees its blocks before the next step.
-    """
-    try:
-        async for output in outputs:
-            metrics.observe(output)
-            chunk = fmt.chunk(output.text, output.finish_reason, _logprobs_of(output))
-            yield f"data: {json.dumps(chunk)}\n\n"
-            if output.finish_reason and usage_prompt_tokens is not None:
-                usage = fmt.usage_chunk(usage_prompt_tokens, output.num_output_tokens)
-                yield f"data: {json.dumps(usage)}\n\n"
-    except RequestFailed as error:
-        yield f"data: {json.dumps(error_body(str(error), None, 'server_error'))}\n\n"
-    finally:
-        await outputs.aclose()
-    yield "data: [DONE]\n\n"
+def _nth_choice(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice `i`'s params: a seeded request's choices each draw from a seed of their own."""
+    if params.seed is None:
+        return params
+    seed = params.seed + i if params.seed + i < 2**63 else params.seed - i
+    return dataclasses.replace(params, seed=seed)
 
 
 class BackgroundServer:

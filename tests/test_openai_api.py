@@ -5,6 +5,7 @@ with plain HTTP and, in the slow suite, with the official `openai` client."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -179,3 +180,47 @@ def test_echo_puts_the_prompt_first_and_scores_it_with_logprobs(url):
     assert echo_only["text"] == choice["text"] and echo_only["logprobs"] is None
     chat = post(url, CHAT, {"messages": [{"role": "user", "content": "hi"}], "echo": True})
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "echo"
+
+
+def stream_choices(url: str, path: str, body: dict) -> tuple[dict[int, str], list[dict]]:
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True},
+                      timeout=60) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts, chunks
+
+
+def test_n_choices_each_run_as_a_request_streamed_or_not(url):
+    body = {"prompt": "hello there", "max_tokens": 5, "ignore_eos": True, "temperature": 1.0,
+            "seed": 11, "n": 3}
+    data = post(url, COMPLETIONS, body).json()
+    choices = data["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert data["usage"]["completion_tokens"] == 15
+    # Choice i of a seeded request draws from seed + i: it equals a lone request with that seed.
+    for i, choice in enumerate(choices):
+        alone = post(url, COMPLETIONS, {**body, "n": 1, "seed": 11 + i}).json()
+        assert choice["text"] == alone["choices"][0]["text"]
+    texts, chunks = stream_choices(url, COMPLETIONS, {**body, "stream_options":
+                                                      {"include_usage": True}})
+    assert texts == {i: c["text"] for i, c in enumerate(choices)}
+    assert chunks[-1]["usage"]["completion_tokens"] == 15
+
+
+def test_a_client_leaving_a_request_of_n_choices_frees_every_choices_blocks(url):
+    total = httpx.get(f"{url}/health").json()["kv_blocks_total"]
+    body = {"prompt": "hello there", "max_tokens": 40, "ignore_eos": True, "n": 4,
+            "stream": True}
+    with httpx.stream("POST", f"{url}{COMPLETIONS}", json=body, timeout=60) as response:
+        next(response.iter_lines())
+    for _ in range(200):
+        health = httpx.get(f"{url}/health").json()
+        if health["kv_blocks_free"] == total and health["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["kv_blocks_free"] == total and health["running"] == 0

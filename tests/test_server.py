@@ -138,7 +138,8 @@ BAD_REQUESTS = [
     ({"prompt": "hi", "top_k": 2.5}, "top_k"),
     ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 17}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "seed": "x"}, "seed"),
 ]
 

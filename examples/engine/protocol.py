@@ -20,6 +20,8 @@ from .sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 # OpenAI's default when a request gives no max_tokens.
 DEFAULT_MAX_TOKENS = 16
+# The most choices (`n`) one request may ask for: each is an engine request.
+MAX_CHOICES = 16
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool = False
     echo_text: str = ""  # `echo`: the prompt's text, put before the answer's
+    n: int = 1  # choices: each an engine request of its own
 
 
 def _is_int(value: Any) -> bool:
@@ -71,7 +74,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream": (lambda v: isinstance(v, bool), "a boolean"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "model": (lambda v: isinstance(v, str), "a string"),
-    "n": (lambda v: _is_int(v) and v == 1, "1 (one choice per request)"),
+    "n": (lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]"),
     "presence_penalty": (_is_number, "a finite number"),
     "frequency_penalty": (_is_number, "a finite number"),
     "repetition_penalty": (_is_number, "a finite number"),
@@ -217,4 +220,4 @@ def _request(prompt_token_ids: list[int], params: SamplingParams, body: dict[str
     if options and not stream:
         raise RequestError("stream_options", "stream_options is only allowed with stream: true")
     return GenerationRequest(prompt_token_ids, params, stream,
-                             options.get("include_usage", False), echo_text)
+                             options.get("include_usage", False), echo_text, _field(body, "n", 1))

@@ -26,14 +26,14 @@ class ResponseFormat:
     created: int = field(default_factory=lambda: int(time.time()))
     token_text: Callable[[int], str] = str  # a token id's text, for logprobs
 
-    def _choice(self, text: str, finish_reason: FinishReason | None, stream: bool,
+    def _choice(self, index: int, text: str, finish_reason: FinishReason | None, stream: bool,
                 logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
         reason = None if finish_reason is None else finish_reason.value
         if not self.chat:
-            return {"index": 0, "text": text, "logprobs": self._completion_logprobs(logprobs),
-                    "finish_reason": reason}
+            return {"index": index, "text": text,
+                    "logprobs": self._completion_logprobs(logprobs), "finish_reason": reason}
         key = "delta" if stream else "message"
-        return {"index": 0, key: {"role": "assistant", "content": text},
+        return {"index": index, key: {"role": "assistant", "content": text},
                 "logprobs": self._chat_logprobs(logprobs), "finish_reason": reason}
 
     def _completion_logprobs(self, entries: list[TokenLogprobs] | None) -> dict | None:
@@ -62,31 +62,43 @@ class ResponseFormat:
                              "top_logprobs": [record(t, lp) for t, lp in e.top]}
                             for e in entries]}
 
-    def _object(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+    def _object(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": kind, "created": self.created,
-                "model": self.model, "choices": [choice]}
+                "model": self.model, "choices": choices}
 
-    def response(self, text: str, finish_reason: FinishReason, prompt_tokens: int,
-                 completion_tokens: int, logprobs: list[TokenLogprobs] | None = None
-                 ) -> dict[str, Any]:
+    def response(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        """The whole answer: every choice, in index order, and the token counts."""
         kind = "chat.completion" if self.chat else "text_completion"
-        body = self._object(kind, self._choice(text, finish_reason, False, logprobs))
-        body["usage"] = _usage(prompt_tokens, completion_tokens)
+        body = self._object(kind, [self._choice(i, c.text, c.finish_reason, False, c.logprobs)
+                                   for i, c in enumerate(choices)])
+        body["usage"] = _usage(prompt_tokens, sum(c.num_tokens for c in choices))
         return body
 
-    def chunk(self, text: str, finish_reason: FinishReason | None,
+    def chunk(self, index: int, text: str, finish_reason: FinishReason | None,
               logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
-        return self._object(self._chunk_kind, self._choice(text, finish_reason, True, logprobs))
+        """One stream chunk: one token of choice `index`."""
+        return self._object(self._chunk_kind,
+                            [self._choice(index, text, finish_reason, True, logprobs)])
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         """A stream's last chunk under `stream_options.include_usage`: no choices, the counts."""
-        body = {**self._object(self._chunk_kind, {}), "choices": []}
+        body = self._object(self._chunk_kind, [])
         body["usage"] = _usage(prompt_tokens, completion_tokens)
         return body
 
     @property
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
+
+
+@dataclass
+class Choice:
+    """One choice of a whole answer, gathered from its request's outputs."""
+
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_tokens: int = 0
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

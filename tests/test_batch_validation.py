@@ -69,10 +69,16 @@ BAD_BATCHES = {
     "a sequence past int32": ([RequestChunk([1, 2], 2**31 - 2, [5])],
                               "chunk 0: num_computed_tokens . len.token_ids. must be at most "
                               "2147483647"),
-    "a block in two requests": ([RequestChunk([1], 0, [5]), RequestChunk([2], 0, [5])],
-                                r"block 5 is used more than once, by chunks \[0, 1\]"),
-    "a block twice in one request": ([RequestChunk([1] * 5, 0, [6, 6])],
-                                     r"block 6 is used more than once, by chunks \[0, 0\]"),
+    # Issue 18: blocks only read may be shared (prefix caching); a block written may not.
+    "a block two requests write": (
+        [RequestChunk([1], 0, [5]), RequestChunk([2], 0, [5])],
+        r"block 5 is written by chunks \[0, 1\] and used by chunks \[0, 1\]"),
+    "a block one request writes and another reads": (
+        [RequestChunk([1], 0, [5]), RequestChunk([2], 4, [5, 6])],
+        r"block 5 is written by chunks \[0\] and used by chunks \[0, 1\]"),
+    "a block written twice in one request": (
+        [RequestChunk([1] * 5, 0, [6, 6])],
+        r"block 6 is written by chunks \[0\] and used by chunks \[0, 0\]"),
     "an empty batch": ([], "at least one RequestChunk"),
     "a chunk with no tokens": ([RequestChunk([], 0, [5])], "chunk 0 has no new tokens"),
     "too few blocks": ([RequestChunk([1] * 5, 0, [5])], "needs 2 blocks of size 4"),

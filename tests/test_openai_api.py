@@ -224,3 +224,16 @@ def test_a_client_leaving_a_request_of_n_choices_frees_every_choices_blocks(url)
             break
         time.sleep(0.05)
     assert health["kv_blocks_free"] == total and health["running"] == 0
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache_and_metrics_count_it(url):
+    from tests.test_server import metric
+
+    body = {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "max_tokens": 4,
+            "ignore_eos": True, "temperature": 0}
+    first = post(url, COMPLETIONS, body).json()["choices"][0]["text"]
+    hits = metric(url, "kvgraph_prefix_cache_hits_total")
+    queries = metric(url, "kvgraph_prefix_cache_queries_total")
+    assert post(url, COMPLETIONS, body).json()["choices"][0]["text"] == first
+    assert metric(url, "kvgraph_prefix_cache_hits_total") > hits
+    assert metric(url, "kvgraph_prefix_cache_queries_total") > queries

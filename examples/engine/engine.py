@@ -35,9 +35,14 @@ Sampled = int | Exception
 
 
 class LLMEngine:
-    """Continuous batching over one `ModelRunner` and one tokenizer; `seed` seeds sampling."""
+    """Continuous batching over one `ModelRunner` and one tokenizer; `seed` seeds sampling.
 
-    def __init__(self, runner: kvgraph.ModelRunner, tokenizer: Any, seed: int = 0):
+    Requests share the cached KV blocks of a common prompt prefix (prefix caching) unless
+    `enable_prefix_caching` is False.
+    """
+
+    def __init__(self, runner: kvgraph.ModelRunner, tokenizer: Any, seed: int = 0,
+                 enable_prefix_caching: bool = True):
         limits = runner.limits
         needed = blocks_for(limits.max_model_len, limits.block_size)
         if limits.num_blocks < needed:
@@ -47,7 +52,7 @@ class LLMEngine:
                 f"{limits.block_size})")
         self.runner = runner
         self.tokenizer = tokenizer
-        self.allocator = BlockAllocator(limits.num_blocks)
+        self.allocator = BlockAllocator(limits.num_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, limits.block_size, limits.max_num_seqs,
                                    limits.max_num_tokens)
         self.sampler = Sampler(runner.device, seed)
@@ -266,6 +271,7 @@ class LLMEngine:
             "step_retries": self.num_step_retries,
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_free": self.allocator.num_free,
+            **self.scheduler.stats(),
             "steps": self.num_steps,
             "runner": self.runner.stats(),
         }

@@ -50,6 +50,8 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        help=f"longest sequence, prompt and output (default: the model's, at most "
                        f"{DEFAULT_MAX_MODEL_LEN})")
     group.add_argument("--block-size", type=positive_int, default=16, help="tokens per cache block")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
     group.add_argument("--seed", type=int, default=0, help="seeds random weights and sampling")
     kvgraph.add_cli_args(parser)
@@ -106,7 +108,7 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
                                max_model_len, build_runner)
     runner = build_runner(sizing.num_blocks)
     capture = runner.capture()  # compiles first: a compile error raises here, before serving
-    engine = LLMEngine(runner, tokenizer, args.seed)
+    engine = LLMEngine(runner, tokenizer, args.seed, args.enable_prefix_caching)
     summary = {"graph_mode": runner.config.graph_mode.value,
                "descriptors": capture["descriptors"], "graphs": capture["graphs"],
                "graph_bytes": capture["bytes"], "seconds": time.perf_counter() - start,

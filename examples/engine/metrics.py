@@ -77,6 +77,14 @@ class EngineCollector(Collector):
         yield _gauge("kvgraph_kv_cache_blocks_used", "KV cache blocks held by requests", used)
         yield _gauge("kvgraph_kv_cache_blocks_total", "KV cache blocks", stats["kv_blocks_total"])
         yield _counter("kvgraph_preemptions", "Requests preempted for blocks", stats["preemptions"])
+        yield _counter("kvgraph_prefix_cache_queries", "Tokens of admitted requests looked up "
+                       "in the prefix cache", stats["prefix_cache_queried_tokens"])
+        yield _counter("kvgraph_prefix_cache_hits", "Of those, tokens found cached (prefill "
+                       "skipped)", stats["prefix_cache_hit_tokens"])
+        yield _counter("kvgraph_prefix_cache_evictions", "Cached blocks taken back for new "
+                       "tokens", stats["prefix_cache_evictions"])
+        yield _gauge("kvgraph_kv_cache_blocks_cached", "KV cache blocks in the prefix cache, "
+                     "held or free", stats["prefix_cache_blocks"])
         yield _counter("kvgraph_requests_aborted", "Requests aborted (client gone)",
                        stats["aborted"])
         yield _counter("kvgraph_requests_failed", "Requests the engine failed (their own "

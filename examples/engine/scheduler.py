@@ -6,6 +6,10 @@ request limit is reached. A prompt longer than what is left of the budget is pre
 chunks over several steps. When the cache has no block for a running request's next chunk,
 the most recently admitted request is preempted: its blocks are freed and it goes back to the
 front of the queue, to be recomputed from its prompt and the tokens it has generated so far.
+
+Prefix caching (the allocator's): a request admitted shares the cached blocks its tokens start
+with, and those tokens count as computed. Each block a request has computed in full is
+registered in the cache before the next step is planned, and when the request leaves.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from .block_allocator import BlockAllocator, blocks_for
+from .block_allocator import BlockAllocator, blocks_for, chain_hashes
 from .request import Request
 
 
@@ -43,6 +47,8 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # in order of admission: the last is preempted first
         self.num_preemptions = 0
+        self.num_queried_tokens = 0  # tokens of admitted requests looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, tokens found cached: prefill not computed
 
     @property
     def has_work(self) -> bool:
@@ -61,6 +67,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        for request in self.running:  # what the last step computed, for admissions to share
+            self._cache_computed(request)
         budget = self._schedule_running(output, self.token_budget)
         if not output.preempted:  # admitting now would only take blocks back from the running
             self._schedule_waiting(output, budget)
@@ -89,12 +97,50 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            num_cached_tokens = self._share_cached(request)
             num_tokens = min(request.num_uncomputed_tokens, budget)
             if not self._grow(request, num_tokens):
-                break  # it waits for blocks; the queue keeps its order
+                # It waits for blocks, holding none; the queue keeps its order.
+                self._release(request)
+                request.num_computed_tokens = 0
+                break
+            self.num_queried_tokens += request.num_tokens
+            self.num_hit_tokens += num_cached_tokens
             self.running.append(self.waiting.popleft())
             output.chunks.append(ScheduledChunk(request, num_tokens))
             budget -= num_tokens
+
+    def _share_cached(self, request: Request) -> int:
+        """Hold the cached blocks `request`'s tokens start with, as computed; their tokens' count.
+
+        The last token is always left to compute: its logits are what the step samples from.
+        """
+        tokens = request.prompt_token_ids + request.output_token_ids
+        # Prompt logprobs are scored from each prompt position's hidden state: all computed.
+        scores_prompt = request.params.prompt_logprobs is not None
+        shareable = 0 if scores_prompt else (len(tokens) - 1) // self.block_size
+        request.block_hashes = chain_hashes(tokens[:-1], self.block_size, request.block_hashes)
+        request.block_ids = self.allocator.share(request.block_hashes[:shareable])
+        request.num_cached_blocks = len(request.block_ids)
+        request.num_computed_tokens = len(request.block_ids) * self.block_size
+        return request.num_computed_tokens
+
+    def _cache_computed(self, request: Request) -> None:
+        """Register the blocks `request` has computed in full since it last did."""
+        full = request.num_computed_tokens // self.block_size
+        if full == request.num_cached_blocks:
+            return
+        tokens = request.prompt_token_ids + request.output_token_ids
+        computed = tokens[:full * self.block_size]
+        request.block_hashes = chain_hashes(computed, self.block_size, request.block_hashes)
+        for i in range(request.num_cached_blocks, full):
+            self.allocator.register(request.block_ids[i], request.block_hashes[i])
+        request.num_cached_blocks = full
+
+    def stats(self) -> dict[str, int]:
+        """Prefix cache use, in tokens of admitted requests, and the allocator's cache stats."""
+        return {"prefix_cache_queried_tokens": self.num_queried_tokens,
+                "prefix_cache_hit_tokens": self.num_hit_tokens, **self.allocator.stats()}
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Give `request` the blocks its next `num_tokens` tokens need; False if too few free."""
@@ -120,5 +166,7 @@ class Scheduler:
         output.preempted.append(request)
 
     def _release(self, request: Request) -> None:
+        self._cache_computed(request)  # what it computed stays for the requests after it
         self.allocator.free(request.block_ids)
         request.block_ids = []
+        request.num_cached_blocks = 0

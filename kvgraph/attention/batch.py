@@ -172,22 +172,38 @@ def _lay_out(token_ids: np.ndarray, query_lens: np.ndarray, computed: np.ndarray
 
 
 def check_distinct_blocks(batch: HostBatch) -> None:
-    """Refuse a batch whose requests use one block twice: they would overwrite each other.
+    """Refuse a batch in which a block that a chunk writes is in any other block table entry.
 
-    Not part of `host_batch`: dummy batches (graph capture, encoder-only models) may share a
-    block they never write.
+    A step writes the blocks holding its new tokens' slots; such a block belongs to its one
+    request, or a reader would see half-written tokens and a second writer would overwrite
+    them. Blocks no chunk writes may be shared (prefix caching: full, cached blocks are only
+    read). Not part of `host_batch`: dummy batches (graph capture, encoder-only models) may
+    share a block they never write.
     """
-    ordered = np.sort(batch.used_blocks)
-    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-    if len(repeated):
-        block = int(repeated[0])
-        blocks_per_request = -(-batch.seq_lens.astype(np.int64) // batch.block_size)
-        owners = np.repeat(np.arange(batch.num_reqs), blocks_per_request)[
-            batch.used_blocks == block]
+    blocks, counts = np.unique(batch.used_blocks, return_counts=True)
+    written = batch.slot_mapping // batch.block_size
+    shared_and_written = np.intersect1d(blocks[counts > 1], written)
+    if len(shared_and_written):
+        block = int(shared_and_written[0])
         raise BatchError(
-            f"block_ids: block {block} is used more than once, by chunks {owners.tolist()}; a "
-            f"block holds one sequence's tokens, so the blocks of a batch must be distinct"
+            f"block_ids: block {block} is written by chunks {_writers(batch, block)} and used "
+            f"by chunks {_users(batch, block)}; a block a step writes holds one sequence's new "
+            f"tokens, so it must be in one block table entry only (only blocks no chunk writes "
+            f"may be shared)"
         )
+
+
+def _writers(batch: HostBatch, block: int) -> list[int]:
+    """The chunks with a new token in `block`."""
+    request_of_token = np.repeat(np.arange(batch.num_reqs), np.diff(batch.query_start_loc))
+    return np.unique(request_of_token[batch.slot_mapping // batch.block_size == block]).tolist()
+
+
+def _users(batch: HostBatch, block: int) -> list[int]:
+    """The chunk of each block table entry naming `block`, once per entry."""
+    blocks_per_request = -(-batch.seq_lens.astype(np.int64) // batch.block_size)
+    owners = np.repeat(np.arange(batch.num_reqs), blocks_per_request)
+    return owners[batch.used_blocks == block].tolist()
 
 
 def build_attention_metadata(

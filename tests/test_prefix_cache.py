@@ -311,7 +311,8 @@ def test_preempted_and_aborted_sharers_free_only_their_own_holds(mode):
     assert engine.allocator.num_free == 26
 
 
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+@pytest.mark.parametrize("mode", ["eager", "none", "piecewise", "full", "full_decode_only",
+                                  "full_and_piecewise"])
 def test_caching_on_gives_the_tokens_of_caching_off_and_the_engine_counts_what_it_saved(mode):
     off, on = make_engine(mode, enable_prefix_caching=False), make_engine(mode)
     for _ in range(2):  # the second round finds every prompt's prefix cached

@@ -27,14 +27,18 @@ def reference_logprobs(sequence: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits[0].double(), dim=-1)
 
 
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
-def test_logprobs_are_the_models_distribution_for_the_sampled_token(mode):
+def make_engine(mode: str, max_num_tokens: int) -> LLMEngine:
     config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
-                                       max_num_tokens=32, capture_sizes=(1, 2, 4, 8))
+                                       max_num_tokens=max_num_tokens, capture_sizes=(1, 2, 4, 8))
     runner = kvgraph.ModelRunner(Llama.from_preset("tiny", seed=1), config, num_blocks=64,
                                  block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=64)
     runner.capture()
-    engine = LLMEngine(runner, ByteTokenizer())
+    return LLMEngine(runner, ByteTokenizer())
+
+
+@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
+def test_logprobs_are_the_models_distribution_for_the_sampled_token(mode):
+    engine = make_engine(mode, max_num_tokens=32)
     asks = [3, None, 0]  # greedy with 3 alternatives; no logprobs; sampled, the token alone
     params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=asks[0]),
               SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
@@ -68,12 +72,7 @@ def test_logprobs_are_the_models_distribution_for_the_sampled_token(mode):
 def test_prompt_logprobs_equal_a_full_recompute_through_chunked_prefill(mode):
     # A budget of 8 tokens a step: the 21-token prompt is prefilled in three chunks, beside a
     # second request, so the prompt's rows sit at different offsets of different steps.
-    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
-                                       max_num_tokens=8, capture_sizes=(1, 2, 4, 8))
-    runner = kvgraph.ModelRunner(Llama.from_preset("tiny", seed=1), config, num_blocks=64,
-                                 block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=64)
-    runner.capture()
-    engine = LLMEngine(runner, ByteTokenizer())
+    engine = make_engine(mode, max_num_tokens=8)
     prompt = [(11 * j + 5) % 256 for j in range(21)]
     scored = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0,
                                                        ignore_eos=True, prompt_logprobs=2))

@@ -76,6 +76,9 @@ BAD_BATCHES = {
     "a block one request writes and another reads": (
         [RequestChunk([1], 0, [5]), RequestChunk([2], 4, [5, 6])],
         r"block 5 is written by chunks \[0\] and used by chunks \[0, 1\]"),
+    "readers of a shared block and its writer": (
+        [RequestChunk([2], 4, [5, 6]), RequestChunk([2], 4, [5, 7]), RequestChunk([9], 3, [5])],
+        r"block 5 is written by chunks \[2\] and used by chunks \[0, 1, 2\]"),
     "a block written twice in one request": (
         [RequestChunk([1] * 5, 0, [6, 6])],
         r"block 6 is written by chunks \[0\] and used by chunks \[0, 0\]"),

@@ -190,9 +190,7 @@ def test_a_request_that_cannot_be_admitted_waits_holding_no_blocks():
     assert scheduler.stats()["prefix_cache_hit_tokens"] == len(PREFIX)
 
 
-# --- kvgraph's batch rule: shared blocks are read-only ---------------------------------------
-
-PREFILL = [RequestChunk([3, 1, 4, 1], 0, [5])]  # fills block 5
+# --- kvgraph's batch rule: shared blocks are read-only (refusals: test_batch_validation.py) ---
 
 
 @pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
@@ -205,33 +203,6 @@ def test_requests_may_share_a_block_they_only_read(mode):
     shared = runner.execute([RequestChunk([5, 9], 4, [5, 6]), RequestChunk([2], 4, [5, 7])])
     copies = reference.execute([RequestChunk([5, 9], 4, [5, 6]), RequestChunk([2], 4, [8, 7])])
     torch.testing.assert_close(shared, copies, atol=0, rtol=0)
-
-
-REFUSED = {
-    "two requests write a shared block": (
-        [RequestChunk([5], 3, [5]), RequestChunk([6], 3, [5])],
-        r"block 5 is written by chunks \[0, 1\] and used by chunks \[0, 1\]"),
-    "a request reads the block another writes into": (
-        [RequestChunk([1, 2, 3], 0, [6]), RequestChunk([2], 4, [6, 7])],
-        r"block 6 is written by chunks \[0\] and used by chunks \[0, 1\]"),
-    "readers of a shared block and its writer": (
-        [RequestChunk([2], 4, [5, 6]), RequestChunk([2], 4, [5, 7]), RequestChunk([9], 3, [5])],
-        r"block 5 is written by chunks \[2\] and used by chunks \[0, 1, 2\]"),
-}
-
-
-@pytest.mark.parametrize("mode", ["eager", "full_and_piecewise"])
-@pytest.mark.parametrize("case", list(REFUSED))
-def test_a_block_one_request_writes_is_no_other_requests(case, mode):
-    chunks, message = REFUSED[case]
-    runner = make_runner("llama", mode)
-    runner.capture()
-    runner.execute(PREFILL)
-    caches = {name: [t.clone() for t in cache] for name, cache in runner.kv_caches.items()}
-    with pytest.raises(kvgraph.BatchError, match=message):
-        runner.execute(chunks)
-    for name, cache in runner.kv_caches.items():
-        assert all(torch.equal(got, want) for got, want in zip(cache, caches[name])), name
 
 
 # --- the engine --------------------------------------------------------------------------------

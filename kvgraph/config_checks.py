@@ -45,13 +45,17 @@ def positive_int(name: str, value: Any) -> int:
     return int(value)
 
 
+def bounded_int(name: str, value: Any, upper: int, why: str) -> int:
+    """A positive int at most `upper` (`why` says what bounds it)."""
+    value = positive_int(name, value)
+    if value > upper:
+        raise ConfigError(name, f"{name}: expected at most {upper} ({why}), got {value}")
+    return value
+
+
 def token_count(name: str, value: Any) -> int:
     """A positive int that int32 token offsets can hold."""
-    value = positive_int(name, value)
-    if value > MAX_NUM_TOKENS:
-        raise ConfigError(name, f"{name}: expected at most {MAX_NUM_TOKENS} (token offsets are "
-                          f"int32), got {value}")
-    return value
+    return bounded_int(name, value, MAX_NUM_TOKENS, "token offsets are int32")
 
 
 def sizes(name: str, value: Any) -> tuple[int, ...]:

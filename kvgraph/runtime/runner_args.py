@@ -7,7 +7,6 @@ capture or an int32 index that wraps.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from torch import nn
 
 from kvgraph.attention.metadata import MAX_BLOCK_ID, MAX_SEQ_LEN
 from kvgraph.config import DEFAULT_MAX_NUM_TOKENS, CompilationConfig
-from kvgraph.config_checks import MAX_NUM_TOKENS
+from kvgraph.config_checks import MAX_NUM_TOKENS, bounded_int
 from kvgraph.devices import memory_bytes
 from kvgraph.errors import ConfigError, PlatformError
 
@@ -29,12 +28,8 @@ def check_sizes(**sizes: Any) -> None:
     for name, value in sizes.items():
         if value is None and name in ("max_model_len", "vocab_size"):
             continue
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ConfigError(name, f"{name}: expected an int >= 1, got {value!r} "
-                              f"({type(value).__name__})")
-        if value > _UPPER[name]:
-            raise ConfigError(name, f"{name}: expected at most {_UPPER[name]} (block tables, "
-                              f"sequence lengths and offsets are int32), got {value}")
+        bounded_int(name, value, _UPPER[name],
+                    "block tables, sequence lengths and offsets are int32")
 
 
 def check_fits(device: torch.device, kv_cache_bytes: int, buffer_bytes: int) -> None:

@@ -98,8 +98,7 @@ class ModelRunner:
         self._graphs = GraphSet(self._platform, self._backend, self.config.check_graph_inputs)
         # A device graph freezes the host ints attention's shapes depend on; a CPU graph does not.
         self._freezes_shapes = self._platform.freezes_shapes
-        self._dispatcher = Dispatcher(self.config.graph_mode, self.config.capture_size_list,
-                                      max_num_seqs, self._graphs.has)
+        self._dispatcher = self._new_dispatcher()
         compiles = self.config.graph_mode.compiles
         self._forward = compile_model(model, self.config) if compiles else model
         self._compiled = not compiles
@@ -154,8 +153,11 @@ class ModelRunner:
         mode = resolve_graph_mode(compiled.graph_mode, self._backend.graph_support,
                                   self._backend.name, can_split=False)
         self.config = self.config.replace(splitting_ops=(), graph_mode=mode)
-        self._dispatcher = Dispatcher(mode, self.config.capture_size_list,
-                                      self.limits.max_num_seqs, self._graphs.has)
+        self._dispatcher = self._new_dispatcher()
+
+    def _new_dispatcher(self) -> Dispatcher:
+        return Dispatcher(self.config.graph_mode, self.config.capture_size_list,
+                          self.limits.max_num_seqs, self._graphs.has)
 
     def capture(self) -> dict[str, Any]:
         """Compile if not yet done, then capture every graph the mode asks for, largest first.

@@ -17,6 +17,7 @@ from kvgraph.errors import (
     KVCacheError,
     PlatformError,
     RunnerError,
+    VerifyError,
 )
 from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
@@ -61,6 +62,7 @@ __all__ = [
     "KVCacheError",
     "PlatformError",
     "RunnerError",
+    "VerifyError",
 ]
 
 

@@ -24,6 +24,7 @@ from kvgraph.config_checks import (  # noqa: F401
     PASSES,
     PIECE_COMPILERS,
     TORCH_COMPILE_MODES,
+    VERIFY_ACTIONS,
 )
 from kvgraph.config_sources import build, env_settings
 from kvgraph.errors import ConfigError
@@ -117,6 +118,11 @@ class CompilationConfig:
     `compile_sizes` get a static build each; other sizes run the general (dynamic) build.
     `on_compile_error`: what a piece that inductor fails to build does ("eager": runs uncompiled,
     with a warning; "raise": the error propagates).
+    `verify`: the ModelRunner also runs the first step of each descriptor that runs on graphs
+    (and every `verify_every`-th step, 0 for none) eagerly on a copy of its cache blocks and
+    compares logits and cache writes; a difference above `verify_tolerance` (relative to the
+    logits' scale; None: by dtype) is a warning or, with `verify_action="raise"`, a VerifyError.
+    Off, it costs nothing.
     """
 
     graph_mode: GraphMode = GraphMode.PIECEWISE
@@ -133,6 +139,10 @@ class CompilationConfig:
     check_guards: bool = False
     check_graph_inputs: bool = False
     on_compile_error: str = "eager"
+    verify: bool = False
+    verify_every: int = 0
+    verify_action: str = "warn"
+    verify_tolerance: float | None = None
 
     def __post_init__(self) -> None:
         for name, check in _CHECKS.items():
@@ -226,6 +236,10 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "check_guards": checks.check_bool,
     "check_graph_inputs": checks.check_bool,
     "on_compile_error": checks.choice(ON_COMPILE_ERROR),
+    "verify": checks.check_bool,
+    "verify_every": checks.non_negative_int,
+    "verify_action": checks.choice(VERIFY_ACTIONS),
+    "verify_tolerance": checks.optional(checks.positive_float),
 }
 _FIELD_NAMES = list(_CHECKS)
 

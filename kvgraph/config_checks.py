@@ -13,6 +13,8 @@ from passes import REGISTERED_PASSES
 PIECE_COMPILERS = ("inductor", "eager")
 # What happens to a piece inductor fails to build: run it uncompiled (with a warning), or raise.
 ON_COMPILE_ERROR = ("eager", "raise")
+# What a verify step that finds graphs and eager apart does: log a warning, or raise.
+VERIFY_ACTIONS = ("warn", "raise")
 PASSES = tuple(REGISTERED_PASSES)
 # torch.compile's modes kvgraph accepts; "reduce-overhead" (graphs on) is refused: kvgraph's
 # graphs are chosen by graph_mode, and inductor must never add graphs of its own.
@@ -51,6 +53,19 @@ def bounded_int(name: str, value: Any, upper: int, why: str) -> int:
     if value > upper:
         raise ConfigError(name, f"{name}: expected at most {upper} ({why}), got {value}")
     return value
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    if not is_int(value) or value < 0:
+        raise ConfigError(name, f"{name}: expected an int >= 0, {got(value)}")
+    return int(value)
+
+
+def positive_float(name: str, value: Any) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not 0 < float(value) < float("inf")):
+        raise ConfigError(name, f"{name}: expected a finite number > 0, {got(value)}")
+    return float(value)
 
 
 def token_count(name: str, value: Any) -> int:

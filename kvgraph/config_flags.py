@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvgraph.config import ON_COMPILE_ERROR, PIECE_COMPILERS, GraphMode
+from kvgraph.config import ON_COMPILE_ERROR, PIECE_COMPILERS, VERIFY_ACTIONS, GraphMode
 
 # Flag dest -> the config field it sets; every flag defaults to None so the environment can
 # fill in.
@@ -25,6 +25,10 @@ _CLI_FIELDS = {
     "check_guards": "check_guards",
     "check_graph_inputs": "check_graph_inputs",
     "on_compile_error": "on_compile_error",
+    "verify": "verify",
+    "verify_every": "verify_every",
+    "verify_action": "verify_action",
+    "verify_tolerance": "verify_tolerance",
 }
 
 
@@ -55,4 +59,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="re-check Dynamo guards on every call (debugging)")
     group.add_argument("--check-graph-inputs", action="store_true", default=None,
                        help="check on every replay that graph inputs did not move (debugging)")
+    group.add_argument("--verify", action="store_true", default=None,
+                       help="check graphs against eager on the first step of each descriptor")
+    group.add_argument("--verify-every", type=int,
+                       help="with --verify, also check every N-th step (default 0: none)")
+    group.add_argument("--verify-action", choices=VERIFY_ACTIONS,
+                       help="a verify step that finds graphs and eager apart: warn (default) "
+                            "or raise")
+    group.add_argument("--verify-tolerance", type=float,
+                       help="largest logit difference, relative to their scale, verify accepts "
+                            "(default by dtype)")
     return parser

@@ -32,6 +32,11 @@ class RunnerError(RuntimeError):
     live runner."""
 
 
+class VerifyError(RuntimeError):
+    """A verified step whose graphs gave other logits or cache writes than eager
+    (`verify_action="raise"`); the message names the descriptor and where they part."""
+
+
 class ConfigError(ValueError):
     """A setting (a config field, option, flag or `KVGRAPH_*` variable) cannot be used as given.
 

@@ -256,24 +256,6 @@ def test_backend_is_found_in_a_fresh_process_without_importing_kvgraph():
     assert result.stdout.split() == ["ok", "True"]
 
 
-def test_debug_dump_writes_every_stage_with_an_index(tmp_path):
-    model = make_model("llama")
-    bind_fresh_caches(model)
-    config = EAGER_PIECES.replace(debug_dump_path=str(tmp_path))
-    run_schedule(kvgraph.compile_model(model, config), model, [[(0, 3)]])
-    index = (tmp_path / "index.md").read_text().splitlines()
-    names = [line.split("/")[1].split("]")[0] for line in index]
-    stages = [name.split("-", 1)[1].rsplit(".", 1)[0] for name in names]
-    pieces = 2 * len(model.model.layers) + 1  # compute pieces and attention pieces
-    assert stages[:4] == ["config", "dynamo", "pass-noop_elimination", "split"]
-    assert len([s for s in stages if s.startswith("piece-")]) == pieces
-    assert stages[-1] == "counters"
-    dynamo = (tmp_path / "compile-000" / names[1]).read_text()
-    calls = [line for line in dynamo.splitlines()
-             if "torch.ops.kvgraph.unified_attention" in line and not line.strip().startswith("#")]
-    assert len(calls) == len(model.model.layers)
-
-
 def test_kvgraph_environment_variables_configure_the_backend(monkeypatch, tmp_path):
     monkeypatch.setenv("KVGRAPH_DEBUG_DUMP", str(tmp_path))
     monkeypatch.setenv("KVGRAPH_PIECE_COMPILER", "eager")

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -20,12 +21,14 @@ from kvgraph.compilation.cache import (
     CompileCache,
     digest,
     graph_fingerprint,
+    source_file_digests,
     source_files_digest,
 )
 from kvgraph.compilation.counters import CompileCounters
-from kvgraph.compilation.debug import DebugDump
+from kvgraph.compilation.debug import DumpSession
 from kvgraph.compilation.graph_wrapper import GraphWrapper
-from kvgraph.compilation.piece_compiler import make_piece_compiler
+from kvgraph.compilation.graph_report import node_signatures, node_table, pass_summary, split_report
+from kvgraph.compilation.piece_compiler import BuildRecord, PieceCompiler, make_piece_compiler
 from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
 from kvgraph.config import CompilationConfig, GraphMode, without_pieces
 from kvgraph.version import __version__
@@ -40,7 +43,25 @@ from passes.op_match import is_op_call
 logger = logging.getLogger(__name__)
 # Config fields that change no compiled artifact: the compile cache key leaves them out.
 NOT_IN_CACHE_KEY = ("capture_sizes", "cache_dir", "debug_dump_path", "check_guards",
-                    "check_graph_inputs", "on_compile_error")
+                    "check_graph_inputs", "on_compile_error", "verify", "verify_every",
+                    "verify_action", "verify_tolerance")
+
+
+@dataclass(frozen=True)
+class CompiledPiece:
+    """One compute piece as the backend built it, for debugging and verification.
+
+    `graph_module` is the piece's FX code after the passes; `holder[key]` is what runs in its
+    place (a build, or a GraphWrapper around one), so a checker may swap it for a while.
+    `is_whole_graph`: the piece is the whole forward, attention inside (full-graph modes).
+    """
+
+    name: str
+    graph_module: fx.GraphModule
+    holder: dict
+    key: str
+    fingerprint: str
+    is_whole_graph: bool = False
 
 
 def _example_values(gm: fx.GraphModule) -> list[Any]:
@@ -64,10 +85,12 @@ class KVGraphBackend:
     `counters` count what it did (the process's totals count it too).
     """
 
-    def __init__(self, config: CompilationConfig | None = None):
+    def __init__(self, config: CompilationConfig | None = None, dump: DumpSession | None = None):
         self.config = config or CompilationConfig()
+        self._dump = dump
         self.pass_manager = PassManager([REGISTERED_PASSES[name] for name in self.config.passes])
         self.counters = CompileCounters()
+        self.pieces: list[CompiledPiece] = []  # of every graph compiled, in execution order
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
                  mode: str | None = None, options: Mapping[str, Any] | None = None) -> Callable:
@@ -89,20 +112,53 @@ class KVGraphBackend:
                 "(kvgraph.mark_token_dims(input_ids, positions)), or use kvgraph.compile_model "
                 "or kvgraph.ModelRunner, which do."
             )
-        cache = self._compile_cache(gm)
-        dump = DebugDump.open(self.config.debug_dump_path) if self.config.debug_dump_path else None
-        if dump:
-            dump.json("config", dataclasses.asdict(self.config))
-            dump.graph("dynamo", gm)
+        if self.counters.dynamo_graphs > 1:
+            logger.warning("kvgraph: Dynamo gave this backend graph %d: the model was traced "
+                           "again (a guard failed) or a graph break split it",
+                           self.counters.dynamo_graphs)
+        dump = self.dump
+        dump.begin_compile()
+        dump.json("config", "config", dataclasses.asdict(self.config))
+        dump.graph("dynamo", "dynamo", gm)
+        dump.text("dynamo", "dynamo-nodes", lambda: node_table(gm), suffix=".md")
+        cache = self._compile_cache(gm, dump)
         with cache.inductor_dir() if cache else contextlib.nullcontext():
-            self.pass_manager(gm, dump and (lambda name, g: dump.graph(f"pass-{name}", g)))
+            self._run_passes(gm, dump)
             compiled = self._compile(gm, values, cache, dump)
-        self.counters.add("compile_seconds", time.perf_counter() - start)
-        if dump:
-            dump.json("counters", self.counters.snapshot())
+        seconds = time.perf_counter() - start
+        self.counters.add("compile_seconds", seconds)
+        dump.json("counters", "counters", self.counters.snapshot(), seconds=seconds)
+        dump.end_compile()
         if self.config.graph_mode.has_full_graphs:
             compiled = GraphWrapper(compiled, GraphMode.FULL, "full", last=True)
+            if self.config.graph_mode.only_full_graphs or not self.config.splitting_ops:
+                self.pieces.append(CompiledPiece("full", gm, compiled.__dict__, "runnable",
+                                                 graph_fingerprint(gm), is_whole_graph=True))
         return compiled
+
+    @property
+    def dump(self) -> DumpSession:
+        """The debug dump this backend writes to: the runner's, else its own (opened on the first
+        compile, in `debug_dump_path` or, without one, for the structured trace alone)."""
+        if self._dump is None:
+            self._dump = DumpSession.open(self.config.debug_dump_path)
+        return self._dump
+
+    def _run_passes(self, gm: fx.GraphModule, dump: DumpSession) -> None:
+        """The passes, each dumped as the graph after it, then one summary of what each did."""
+        summaries = []
+        before, last = node_signatures(gm), time.perf_counter()
+        start = last
+
+        def observe(name: str, graph: fx.GraphModule) -> None:
+            nonlocal before, last
+            now = time.perf_counter()
+            summaries.append({"pass": name, "seconds": now - last, **pass_summary(before, graph)})
+            dump.graph("pass", f"pass-{name}", graph, seconds=now - last)
+            before, last = node_signatures(graph), time.perf_counter()
+
+        self.pass_manager(gm, observe)
+        dump.json("passes", "passes", summaries, seconds=time.perf_counter() - start)
 
     def _downgrade_if_nothing_splits(self, gm: fx.GraphModule) -> None:
         """Treat splitting ops that this graph never calls like none at all: otherwise attention
@@ -116,38 +172,56 @@ class KVGraphBackend:
                               "match no op of the traced graph")
         self.config = config.replace(splitting_ops=(), graph_mode=mode)
 
+    def _piece_compiler(self, cache: CompileCache | None, dump: DumpSession,
+                        patches: dict[str, Any], names: dict[str, str]) -> PieceCompiler:
+        """The configured piece compiler, each build dumped under its piece's name."""
+        def on_build(record: BuildRecord) -> None:
+            fingerprint, _, size = record.name.rpartition("-")
+            piece = names.get(fingerprint, fingerprint[:12])
+            dump.text("build", f"build-{piece}-{size}",
+                      record.code or f"# {record.outcome}: no code kept\n",
+                      seconds=record.seconds,
+                      data={"piece": piece, "size": size, "outcome": record.outcome,
+                            "why": record.why, "cache_name": record.name})
+
+        config = self.config
+        return make_piece_compiler(config.piece_compiler, cache, self.counters, patches,
+                                   config.on_compile_error, on_build)
+
     def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None,
-                 dump: DebugDump | None) -> Callable:
+                 dump: DumpSession) -> Callable:
         config = self.config
         # Modes whose only graphs are full ones build the whole graph, attention included.
         if config.graph_mode.only_full_graphs or not config.splitting_ops:
             patches = dict(config.inductor_options)
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)
-            compiler = make_piece_compiler(config.piece_compiler, cache, self.counters, patches,
-                                           config.on_compile_error)
+            fingerprint = graph_fingerprint(gm)
+            compiler = self._piece_compiler(cache, dump, patches, {fingerprint: "full"})
             self.counters.add("pieces")
-            return build_piece(gm, values, config.compile_sizes, compiler,
-                               graph_fingerprint(gm), self.counters)
+            return build_piece(gm, values, config.compile_sizes, compiler, fingerprint,
+                               self.counters)
         return self._compile_pieces(gm, cache, dump)
 
     def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None,
-                        dump: DebugDump | None) -> fx.GraphModule:
+                        dump: DumpSession) -> fx.GraphModule:
         config = self.config
-        compiler = make_piece_compiler(config.piece_compiler, cache, self.counters,
-                                       config.inductor_options, config.on_compile_error)
+        start = time.perf_counter()
         split = split_at_attention(gm, config.splitting_ops)
-        if dump:
-            dump.graph("split", split.split_module)
+        fingerprints = {piece.name: graph_fingerprint(piece.graph_module)
+                        for piece in split.pieces if not piece.is_splitting_op}
+        dump.graph("split", "split", split.split_module, seconds=time.perf_counter() - start)
+        dump.json("split", "split-pieces", split_report(split, fingerprints))
+        names = {fingerprint: name for name, fingerprint in reversed(fingerprints.items())}
+        compiler = self._piece_compiler(cache, dump, config.inductor_options, names)
         built: dict[str, PiecewiseBackend] = {}
         last = [piece for piece in split.pieces if not piece.is_splitting_op][-1].name
         for piece in split.pieces:
-            if dump:
-                dump.graph(f"piece-{piece.name}", piece.graph_module)
+            dump.graph("piece", f"piece-{piece.name}", piece.graph_module)
             if piece.is_splitting_op:
                 continue
             self.counters.add("pieces")
-            fingerprint = graph_fingerprint(piece.graph_module)
+            fingerprint = fingerprints[piece.name]
             if fingerprint not in built:
                 built[fingerprint] = build_piece(
                     piece.graph_module, _example_values(piece.graph_module),
@@ -160,19 +234,40 @@ class KVGraphBackend:
                                         last=piece.name == last)
             # setattr rejects non-Modules; the split module's forward finds it in __dict__.
             split.split_module.__dict__[piece.name] = runnable
+            self.pieces.append(CompiledPiece(piece.name, piece.graph_module,
+                                             split.split_module.__dict__, piece.name, fingerprint))
         return split.split_module
 
-    def _compile_cache(self, gm: fx.GraphModule) -> CompileCache | None:
+    def _compile_cache(self, gm: fx.GraphModule, dump: DumpSession) -> CompileCache | None:
+        """The compile cache for this graph's key, with the key and its factors dumped."""
         config = self.config
         if not config.uses_compile_cache:
+            dump.json("cache", "cache-key", {"used": False, "why": _why_no_cache(config)})
             return None
         settings = {name: value for name, value in dataclasses.asdict(config).items()
                     if name not in NOT_IN_CACHE_KEY}
-        key = digest(
-            torch.__version__, __version__, _device_of(_example_values(gm)).type,
-            self.pass_manager.uuid(), settings, source_files_digest(_traced_source_files()),
-        )
-        return CompileCache.open(config.cache_dir, key, self.counters)
+        sources = _traced_source_files()
+        factors = {"torch": torch.__version__, "kvgraph": __version__,
+                   "device": _device_of(_example_values(gm)).type,
+                   "passes": self.pass_manager.uuid(), "settings": settings}
+        key = digest(*factors.values(), source_files_digest(sources))
+        factors["source_files"] = source_file_digests(sources)
+        cache = CompileCache.open(config.cache_dir, key, self.counters)
+        if cache is not None:
+            cache.record_factors(factors)
+        dump.json("cache", "cache-key", {
+            "used": cache is not None, "key": key, "directory": cache and str(cache.directory),
+            "key_change": cache and cache.key_change, "factors": factors})
+        return cache
+
+
+def _why_no_cache(config: CompilationConfig) -> str:
+    if not config.use_compile_cache:
+        return "use_compile_cache is off"
+    return f"piece_compiler {config.piece_compiler!r} builds nothing to keep"
+
+
+_shared_dumps: dict[str | None, DumpSession] = {}
 
 
 def kvgraph_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str | None = None,
@@ -180,7 +275,12 @@ def kvgraph_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], mode: str
     """The entry point torch.compile calls for `backend="kvgraph"`.
 
     `KVGRAPH_*` environment variables give the defaults; `options` and `mode` override them.
+    Every such compile in a process shares one debug dump session per `debug_dump_path` (each
+    Dynamo graph a compile of its own); `KVGraphBackend(config)` has one of its own.
     """
     overrides = {**(options or {}), **({"mode": mode} if mode else {})}
     config = CompilationConfig.from_env(**overrides)
-    return KVGraphBackend(config)(gm, example_inputs)
+    path = config.debug_dump_path
+    if path not in _shared_dumps:
+        _shared_dumps[path] = DumpSession.open(path)
+    return KVGraphBackend(config, _shared_dumps[path])(gm, example_inputs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -52,6 +53,7 @@ WRITE_PREFIX = "kvgraph-write-"
 LOAD_PREFIX = "kvgraph-load-"
 # No live save, load or inductor probe takes this long: older scratch was left by a killed process.
 SCRATCH_MAX_AGE_S = 3600
+FACTORS = "factors.json"  # what a key was made of, beside its artifacts
 
 
 def digest(*parts: object) -> str:
@@ -74,6 +76,17 @@ def source_files_digest(paths: Iterable[str]) -> str:
         hasher.update(repr((path, None if content is None else hashlib.sha256(content).digest()))
                       .encode())
     return hasher.hexdigest()
+
+
+def source_file_digests(paths: Iterable[str]) -> dict[str, str | None]:
+    """Each source file's sha256 (None if missing): the readable form of `source_files_digest`."""
+    digests: dict[str, str | None] = {}
+    for path in sorted(set(paths)):
+        try:
+            digests[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            digests[path] = None
+    return digests
 
 
 def _describe(value: Any, symbols: dict) -> str:
@@ -134,6 +147,8 @@ class CompileCache:
         self.inductor_directory = self.root / "inductor"
         self.inductor = InductorCache(self.inductor_directory, self.stop_saving)
         self.writable = True
+        self.last_miss: str | None = None  # why the last `load` found nothing to load
+        self.key_change: str | None = None  # why this key is new here (see `record_factors`)
 
     @classmethod
     def open(cls, root: str | os.PathLike, key: str, counters: CompileCounters | None = None
@@ -183,10 +198,13 @@ class CompileCache:
         """The artifact saved as `name`, read through `loader(path)`; None if absent, damaged
         (discarded) or unreadable (kept)."""
         path = self.path(name)
+        self.last_miss = None
         try:
             check_trusted(path, "compiled artifact")
             blob = path.read_bytes()
         except FileNotFoundError:
+            self.last_miss = ("not built before under this key" + (f" ({self.key_change})"
+                                                                   if self.key_change else ""))
             return None
         except OSError as error:
             return self._unreadable(path, error)
@@ -233,18 +251,52 @@ class CompileCache:
             os.replace(staged, self.path(name))
         _fsync_dir(self.directory)
 
-    @staticmethod
-    def _unreadable(path: Path, error: OSError) -> None:
+    def record_factors(self, factors: dict[str, Any]) -> None:
+        """Keep what this key was made of (`factors.json`, for debug dumps) and, for a key new
+        here, say in `key_change` how it differs from the key used last in this cache."""
+        path = self.directory / FACTORS
+        if path.exists():
+            return
+        self.key_change = _key_change(self.root, factors)
+        if self.writable:
+            with contextlib.suppress(OSError):  # a dump aid: never worth failing a compile
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+                with os.fdopen(fd, "w") as file:
+                    json.dump(factors, file, indent=2, default=str)
+
+    def _unreadable(self, path: Path, error: OSError) -> None:
         """Build instead of loading, keeping the file: `error` is the disk's, not its content's."""
+        self.last_miss = f"the artifact could not be read ({error})"
         logger.warning("kvgraph: cannot load compiled artifact %s (%s); building it instead, "
                        "the file is kept", path, error)
 
     def _discard(self, path: Path, why: str) -> None:
+        self.last_miss = f"the artifact was discarded: {why}"
         logger.warning("kvgraph: discarding compiled artifact %s: %s; rebuilding it", path, why)
         self.counters.add("cache_corrupt")
         with contextlib.suppress(OSError):  # gone already, or a read-only cache: rebuilt anyway
             path.unlink()
         return None
+
+
+def _key_change(root: Path, factors: dict[str, Any]) -> str:
+    """How `factors` differ from those of the key last written under `root`."""
+    known = []
+    for path in root.glob(f"*/{FACTORS}"):
+        with contextlib.suppress(OSError, ValueError):
+            known.append((path.stat().st_mtime, json.loads(path.read_text())))
+    if not known:
+        return "no earlier key in this cache"
+    _, last = max(known, key=lambda item: item[0])
+    changed = _changed_fields(last, json.loads(json.dumps(factors, default=str)))
+    return "key changed since the last one used here: " + (", ".join(changed) or "?")
+
+
+def _changed_fields(old: Any, new: Any, prefix: str = "") -> list[str]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [change for name in sorted(set(old) | set(new))
+                for change in _changed_fields(old.get(name), new.get(name), f"{prefix}{name}.")]
+    return [] if old == new else [f"{prefix[:-1]}: {old!r} -> {new!r}"]
 
 
 def _load_copy(payload: bytes, loader: Callable[[str], Any]) -> Any:

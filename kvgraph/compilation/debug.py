@@ -1,73 +1,243 @@
-"""Debug dumps: every stage of every compile written as readable files, with one index.
+"""Debug dumps: one session per runner (or per torch.compile), every stage as a readable file.
 
-A dump that cannot be written (a read-only or full disk, a path under /proc) is a fault, not an
-error: kvgraph warns once and compiles on without it.
+    <debug_dump_path>/          (<debug_dump_path>/rank_<r>/ when torch.distributed is initialised)
+      index.md                  every file of the session, in order, linked
+      events.jsonl              one JSON record per stage (what `python -m kvgraph.inspect` reads)
+      compile-000/              one per Dynamo graph: its code, passes, split, pieces, builds
+      capture.json  stats.json  verify.json   runtime reports, rewritten as they change
 
-    <debug_dump_path>/index.md                     one line per file, in order
-    <debug_dump_path>/compile-000/00-dynamo.py     the graph Dynamo traced
-    <debug_dump_path>/compile-000/01-pass-noop_elimination.py, ..., split, pieces, summary
+An event is `{"seq", "time", "stage", "name", "compile", "file", "seconds", "data"}`: `time` in
+seconds since the session opened, `compile` the number of the compile it belongs to (None for
+runtime events), `file` relative to the session dir (None when nothing was written).
+
+Every file is also a structured-trace artifact (`kvgraph_<name>`; graphs as `graph_dump`
+events) when `TORCH_TRACE` is set, so tlparse shows kvgraph's stages beside Dynamo's and
+inductor's; a session without a directory emits only those.
+
+A session dir that cannot be written is refused when the session opens (ConfigError); one that
+fails later (a full disk, a deleted dir) costs one warning and ends the file dump: a dump never
+fails a compile or a capture.
 """
 
 from __future__ import annotations
 
-import itertools
+import enum
 import json
 import logging
+import shutil
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import torch
 from torch import fx
+
+from kvgraph.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+INDEX = "index.md"
+EVENTS = "events.jsonl"
+# The runtime reports a session keeps at its top, rewritten as they change.
+REPORTS = ("capture", "stats", "verify")
+# What a session replaces of an earlier dump in the same directory: only kvgraph's own names.
+_OWN_NAMES = (INDEX, EVENTS, "compile-[0-9][0-9][0-9]", *(f"{name}.json" for name in REPORTS))
+Payload = str | Callable[[], str]
 
-class DebugDump:
-    """The dump of one compile, in a fresh numbered directory under `root`."""
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        for number in itertools.count():
-            self.directory = self.root / f"compile-{number:03d}"
-            try:
-                self.directory.mkdir()  # atomic: concurrent compiles get distinct directories
-                break
-            except FileExistsError:
-                continue
-        self.count = 0
-        self.failed = False
+def session_dir(path: str | Path) -> Path:
+    """Where a session under `path` writes: `path/rank_<r>` in a distributed job, else `path`."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return Path(path) / f"rank_{distributed.get_rank()}"
+    return Path(path)
+
+
+class _WarningRecorder(logging.Handler):
+    """Records kvgraph's warnings in the session while it is open."""
+
+    def __init__(self, session: DumpSession):
+        super().__init__(logging.WARNING)
+        self.session = session
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.session.event("warning", record.name, {"message": record.getMessage()})
+
+
+class DumpSession:
+    """The debug dump of one runner or one torch.compile: numbered files, an index, events.
+
+    `directory` None writes no files and only emits structured-trace artifacts.
+    """
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+        self.start = time.perf_counter()
+        self.failed = directory is None
+        self.compiles = 0
+        self.compile: int | None = None  # the compile under way, whose files get its dir
+        self.compile_id = None  # Dynamo's id of the last compile, for runtime trace events
+        self._seq = 0
+        self._files = 0
+        self._listed_reports: set[str] = set()
+        self._warnings = _WarningRecorder(self) if directory is not None else None
+        if self._warnings:
+            logging.getLogger("kvgraph").addHandler(self._warnings)
 
     @classmethod
-    def open(cls, root: str | Path) -> DebugDump | None:
-        """The dump of one compile under `root`; None, with a warning, if it cannot be made."""
+    def open(cls, path: str | Path | None) -> DumpSession:
+        """A session in `session_dir(path)`, emptied of an earlier kvgraph dump; with `path`
+        None, one that only emits trace artifacts. A ConfigError if it cannot be written."""
+        if path is None:
+            return cls(None)
+        directory = session_dir(path)
         try:
-            return cls(root)
-        except (OSError, ValueError) as error:
-            logger.warning("kvgraph: cannot write the debug dump under %s (%s); compiling "
-                           "without it", root, error)
-            return None
-
-    def text(self, name: str, text: str, suffix: str = ".py") -> Path | None:
-        """Write `text` as the next file of this compile and list it in the index; after a write
-        error, warn once and write nothing more."""
-        if self.failed:
-            return None
-        path = self.directory / f"{self.count:02d}-{name}{suffix}"
-        self.count += 1
-        try:
-            path.write_text(text)
-            with open(self.root / "index.md", "a") as index:
-                index.write(f"- [{path.relative_to(self.root)}]({path.relative_to(self.root)})\n")
+            directory.mkdir(parents=True, exist_ok=True)
+            _clear_earlier_dump(directory)
+            (directory / INDEX).write_text("# kvgraph debug dump\n\n")
+            (directory / EVENTS).write_text("")
         except OSError as error:
+            raise ConfigError("debug_dump_path", f"debug_dump_path: cannot write a debug dump in "
+                              f"{directory} ({error}); give a writable directory, or unset "
+                              "it (KVGRAPH_DEBUG_DUMP, --debug-dump-path)") from None
+        logger.info("kvgraph: writing the debug dump to %s (read it with python -m "
+                    "kvgraph.inspect %s)", directory, directory)
+        return cls(directory)
+
+    # --- stages ------------------------------------------------------------------------------
+
+    def begin_compile(self) -> int:
+        """Start the files of a new compile (one Dynamo graph); its number."""
+        self.compile = self.compiles
+        self.compiles += 1
+        self._files = 0
+        context = torch._guards.CompileContext.try_get()
+        self.compile_id = context.compile_id if context is not None else None
+        return self.compile
+
+    def end_compile(self) -> None:
+        self.compile = None
+
+    def text(self, stage: str, name: str, payload: Payload, *, suffix: str = ".py",
+             data: Any = None, seconds: float | None = None, graph: bool = False) -> None:
+        """Write `payload` (a string, or a function making it) as the next file of the compile
+        under way (else at the session's top), list it, record the event and trace it."""
+        make = payload if callable(payload) else (lambda: payload)
+        file = None
+        if not self.failed:
+            file = self._file_name(name, suffix)
+            if not self._write(file, make()):
+                file = None
+        self._trace(name, make, suffix, graph)
+        self.event(stage, name, data, seconds, file)
+
+    def graph(self, stage: str, name: str, gm: fx.GraphModule, **kwargs: Any) -> None:
+        self.text(stage, name, lambda: gm.print_readable(print_output=False, include_stride=True,
+                                                         include_device=True),
+                  graph=True, **kwargs)
+
+    def json(self, stage: str, name: str, data: Any, seconds: float | None = None) -> None:
+        self.text(stage, name, lambda: _to_json(data), suffix=".json", data=data,
+                  seconds=seconds)
+
+    def runtime_json(self, name: str, data: Any) -> None:
+        """Write (or rewrite) the runtime report `<name>.json` at the session's top: capture,
+        stats, verify."""
+        file = None
+        if not self.failed and self._write(f"{name}.json", _to_json(data), listed=False):
+            file = f"{name}.json"
+            if name not in self._listed_reports:
+                self._listed_reports.add(name)
+                self._append(INDEX, f"- [{file}]({file}) (runtime report)\n")
+        self._trace(name, lambda: _to_json(data), ".json", graph=False)
+        self.event(name, name, data, file=file)
+
+    def event(self, stage: str, name: str, data: Any = None, seconds: float | None = None,
+              file: str | None = None) -> None:
+        """Record one event in events.jsonl (no file of its own unless `file`)."""
+        if self.failed:
+            return
+        record = {"seq": self._seq, "time": round(time.perf_counter() - self.start, 6),
+                  "stage": stage, "name": name, "compile": self.compile, "file": file,
+                  "seconds": seconds, "data": data}
+        self._seq += 1
+        self._append(EVENTS, json.dumps(record, default=_plain) + "\n")
+
+    def close(self) -> None:
+        """Stop recording warnings; files already written stay."""
+        if self._warnings:
+            logging.getLogger("kvgraph").removeHandler(self._warnings)
+            self._warnings = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    # --- files -------------------------------------------------------------------------------
+
+    def _file_name(self, name: str, suffix: str) -> str:
+        if self.compile is None:
+            return f"{name}{suffix}"
+        number = f"{self._files:02d}-{name}{suffix}"
+        self._files += 1
+        return f"compile-{self.compile:03d}/{number}"
+
+    def _write(self, file: str, text: str, listed: bool = True) -> bool:
+        """Write `file`; after an error, warn once and stop the file dump."""
+        try:
+            path = self.directory / file
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
+        except OSError as error:
+            return self._fail(error)
+        if listed:
+            self._append(INDEX, f"- [{file}]({file})\n")
+        return not self.failed
+
+    def _append(self, file: str, text: str) -> None:
+        try:
+            with open(self.directory / file, "a") as out:
+                out.write(text)
+        except OSError as error:
+            self._fail(error)
+
+    def _fail(self, error: OSError) -> bool:
+        if not self.failed:
             self.failed = True
-            logger.warning("kvgraph: cannot write the debug dump %s (%s); the rest of this "
-                           "compile is not dumped", path, error)
-            return None
-        return path
+            self.close()
+            logger.warning("kvgraph: the debug dump in %s stops here: %s (compiling and running "
+                           "go on without it)", self.directory, error)
+        return False
 
-    def graph(self, name: str, gm: fx.GraphModule) -> Path | None:
-        return self.text(name, gm.print_readable(print_output=False, include_stride=True,
-                                                 include_device=True))
+    def _trace(self, name: str, make: Callable[[], str], suffix: str, graph: bool) -> None:
+        from torch._logging import trace_structured
 
-    def json(self, name: str, data: Any) -> Path | None:
-        return self.text(name, json.dumps(data, indent=2, default=str), suffix=".json")
+        title = f"kvgraph_{name}"
+        where = ({} if self.compile is not None or torch._guards.CompileContext.current_trace_id()
+                 else {"compile_id": self.compile_id} if self.compile_id is not None
+                 else {"expect_trace_id": False})
+        if graph:
+            trace_structured("graph_dump", lambda: {"name": title}, payload_fn=make, **where)
+        else:
+            encoding = "json" if suffix == ".json" else "string"
+            trace_structured("artifact", lambda: {"name": title, "encoding": encoding},
+                             payload_fn=make, **where)
+
+
+def _plain(value: Any) -> Any:
+    """What JSON cannot hold, readably: an enum as its value, anything else as `str`."""
+    return value.value if isinstance(value, enum.Enum) else str(value)
+
+
+def _to_json(data: Any) -> str:
+    return json.dumps(data, indent=2, default=_plain)
+
+
+def _clear_earlier_dump(directory: Path) -> None:
+    """Remove what an earlier session wrote here (kvgraph's own names only), so the index and
+    events describe this session alone."""
+    for pattern in _OWN_NAMES:
+        for path in directory.glob(pattern):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()

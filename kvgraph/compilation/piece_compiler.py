@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from torch import fx
@@ -14,6 +15,35 @@ from kvgraph.compilation.piecewise import token_symbols
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BuildRecord:
+    """One build of one piece, as the debug dump reports it.
+
+    `outcome`: "built" (inductor compiled it), "loaded" (a compile-cache hit), "fallback"
+    (inductor failed: the FX code runs) or "uncompiled" (the eager piece compiler). `code` is
+    inductor's output code for a build (a cache hit keeps none), else the FX code that runs;
+    `why` says why a build missed the cache, or why it fell back.
+    """
+
+    name: str
+    outcome: str
+    seconds: float
+    code: str | None = None
+    why: str | None = None
+
+
+BuildObserver = Callable[[BuildRecord], None]
+
+
+def _ignore(record: BuildRecord) -> None:
+    pass
+
+
+def output_code(artifact: Any) -> str | None:
+    """The Python inductor generated for `artifact` (kept on builds, not on loads)."""
+    return getattr(getattr(artifact, "_compiled_fn", None), "source_code", None) or None
 
 
 class PieceCompiler(Protocol):
@@ -30,7 +60,11 @@ class EagerPieceCompiler:
 
     name = "eager"
 
+    def __init__(self, on_build: BuildObserver = _ignore):
+        self.on_build = on_build
+
     def compile(self, gm, example_inputs, build_name):
+        self.on_build(BuildRecord(build_name, "uncompiled", 0.0, gm.code))
         return gm
 
 
@@ -46,11 +80,13 @@ class InductorPieceCompiler:
     name = "inductor"
 
     def __init__(self, cache: CompileCache | None, counters: CompileCounters,
-                 config_patches: dict[str, Any] | None = None, on_error: str = "eager"):
+                 config_patches: dict[str, Any] | None = None, on_error: str = "eager",
+                 on_build: BuildObserver = _ignore):
         self.cache = cache
         self.counters = counters
         self.config_patches = config_patches or {}
         self.on_error = on_error
+        self.on_build = on_build
 
     @staticmethod
     def dynamic_shapes(example_inputs: Sequence[Any]) -> str:
@@ -58,21 +94,31 @@ class InductorPieceCompiler:
         return "from_tracing_context" if token_symbols(example_inputs) else "from_example_inputs"
 
     def compile(self, gm, example_inputs, build_name):
+        start = time.perf_counter()
+        why = "the compile cache is off"
         if self.cache is not None:
             loaded = self.cache.load(build_name, self._load)
             if loaded is not None:
                 self.counters.add("cache_hits")
+                self.on_build(BuildRecord(build_name, "loaded", time.perf_counter() - start,
+                                          output_code(loaded)))
                 return loaded
+            why = self.cache.last_miss
         try:
             artifact = self._in_inductor_dir(lambda: self._build(gm, example_inputs, build_name))
         except Exception as error:
             if self.on_error == "raise":
                 raise
+            message = f"{type(error).__name__}: {str(error).strip().split(chr(10))[0]}"
             logger.warning("kvgraph: inductor could not build %s, so it runs uncompiled (eager): "
-                           "%s: %s (on_compile_error='raise' makes this an error)", build_name,
-                           type(error).__name__, str(error).strip().split("\n")[0])
+                           "%s (on_compile_error='raise' makes this an error)", build_name,
+                           message)
             self.counters.add("build_fallbacks")
+            self.on_build(BuildRecord(build_name, "fallback", time.perf_counter() - start,
+                                      gm.code, message))
             return gm
+        self.on_build(BuildRecord(build_name, "built", time.perf_counter() - start,
+                                  output_code(artifact), why))
         if self.cache is not None:
             try:
                 self.cache.save(build_name, lambda path: artifact.save(path=path, format="binary"))
@@ -106,8 +152,8 @@ class InductorPieceCompiler:
 
 
 def make_piece_compiler(name: str, cache: CompileCache | None, counters: CompileCounters,
-                        config_patches: dict[str, Any] | None = None,
-                        on_error: str = "eager") -> PieceCompiler:
+                        config_patches: dict[str, Any] | None = None, on_error: str = "eager",
+                        on_build: BuildObserver = _ignore) -> PieceCompiler:
     if name == "eager":
-        return EagerPieceCompiler()
-    return InductorPieceCompiler(cache, counters, config_patches, on_error)
+        return EagerPieceCompiler(on_build)
+    return InductorPieceCompiler(cache, counters, config_patches, on_error, on_build)

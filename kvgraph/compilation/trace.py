@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from kvgraph.compilation.backend import KVGraphBackend
+from kvgraph.compilation.debug import DumpSession
 from kvgraph.config import CompilationConfig
 
 
@@ -61,14 +62,16 @@ class CompiledModel:
     function's globals, and through them every graph compiled for it, for the process's life.
     """
 
-    def __init__(self, model: nn.Module, config: CompilationConfig | None = None):
+    def __init__(self, model: nn.Module, config: CompilationConfig | None = None,
+                 dump: DumpSession | None = None):
         self.model = model
         self.config = config or CompilationConfig()
-        self.backend = KVGraphBackend(self.config)
+        self.backend = KVGraphBackend(self.config, dump)
         options: dict[str, Any] = {}
         if not self.config.check_guards:
             options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
         forward = own_forward(model)
+        self._code = forward.__func__.__code__
         self._globals = forward.__func__.__globals__
         self._own_names = set(self._globals)
         weakref.finalize(self, _drop_installed, self._globals, self._own_names)
@@ -87,7 +90,9 @@ class CompiledModel:
             return self._compiled(input_ids, positions, **kwargs)
         with torch._dynamo.config.patch(specialize_float=True):
             hidden_states = self._compiled(input_ids, positions, **kwargs)
-        self._traced = True
+        if not self._traced:
+            self._traced = True
+            self.backend.dump.text("bytecode", "bytecode", lambda: transformed_code(self._code))
         return hidden_states
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -101,6 +106,24 @@ def _drop_installed(scope: dict[str, Any], original: set[str]) -> None:
         scope[name] = None
 
 
-def compile_model(model: nn.Module, config: CompilationConfig | None = None) -> CompiledModel:
-    """Compile `model` with kvgraph (see `CompiledModel`)."""
-    return CompiledModel(model, config)
+def transformed_code(code: types.CodeType) -> str:
+    """The bytecode Dynamo made of `code`, decompiled to Python by depyf (when installed)."""
+    try:
+        import depyf
+    except ImportError:
+        return "# install depyf (pip install depyf) to see the bytecode Dynamo made, as Python\n"
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    parts = []
+    for number, entry in enumerate(entries):
+        try:
+            source = depyf.decompile(entry.code)
+        except Exception as error:  # noqa: BLE001 - depyf cannot read every torch's bytecode
+            source = f"# depyf could not decompile it: {type(error).__name__}: {error}\n"
+        parts.append(f"# --- transformed code {number} of {code.co_name} ---\n{source}")
+    return "\n".join(parts) or f"# Dynamo holds no compiled code for {code.co_name}\n"
+
+
+def compile_model(model: nn.Module, config: CompilationConfig | None = None,
+                  dump: DumpSession | None = None) -> CompiledModel:
+    """Compile `model` with kvgraph (see `CompiledModel`); `dump` is the runner's debug dump."""
+    return CompiledModel(model, config, dump)

@@ -189,6 +189,13 @@ class GraphSet:
         """Every captured graph, of every descriptor."""
         return [entry for graphs in self._graphs.values() for entry in graphs.values()]
 
+    def descriptor_report(self, mode: GraphMode, descriptor: BatchDescriptor) -> dict[str, Any]:
+        """What capturing `descriptor` in `mode` made: its graphs, their capture time, memory."""
+        entries = list(self._graphs.get((mode, descriptor), {}).values())
+        return {"graphs": len(entries),
+                "capture_seconds": sum(e.capture_seconds for e in entries),
+                "bytes": sum(e.memory_bytes for e in entries)}
+
     def memory_by_descriptor(self) -> dict[str, int]:
         """Bytes each descriptor's graphs added to the pool when captured."""
         return {graph_key(*key): sum(e.memory_bytes for e in graphs.values())

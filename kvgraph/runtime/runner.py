@@ -27,6 +27,7 @@ from kvgraph.attention.batch import HostBatch, check_distinct_blocks, host_batch
 from kvgraph.attention.layer_base import attention_layers, kv_cache_specs
 from kvgraph.attention.metadata import RequestChunk
 from kvgraph.compilation.counters import CompileCounters
+from kvgraph.compilation.debug import DumpSession
 from kvgraph.compilation.trace import CompiledModel, compile_model
 from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.devices import canonical_device
@@ -49,6 +50,7 @@ from kvgraph.runtime.runner_args import (
     with_max_num_tokens,
 )
 from kvgraph.runtime.step import Step, StepLimits, plan_step
+from kvgraph.runtime.verify import Verifier, disabled_stats
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +101,13 @@ class ModelRunner:
         # A device graph freezes the host ints attention's shapes depend on; a CPU graph does not.
         self._freezes_shapes = self._platform.freezes_shapes
         self._dispatcher = self._new_dispatcher()
+        self._dump = DumpSession.open(self.config.debug_dump_path)
         compiles = self.config.graph_mode.compiles
-        self._forward = compile_model(model, self.config) if compiles else model
+        self._forward = compile_model(model, self.config, self._dump) if compiles else model
         self._compiled = not compiles
         self.hidden_states: torch.Tensor | None = None
+        # Verify mode checks graph steps against eager; off, it is None and costs one check.
+        self._verifier = Verifier(self) if self.config.verify else None
 
     def _bind_caches(self, model: nn.Module, dtype: torch.dtype) -> dict:
         layers = attention_layers(model)
@@ -137,12 +142,17 @@ class ModelRunner:
             return
         step = self._prepare(self._dummy_batch(1), GraphMode.NONE, BatchDescriptor(1),
                              writes_cache=False)
+        start = time.perf_counter()
         try:
             self._run(step)  # the first call traces; the backend builds every piece and size
         except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
             raise CompileError(f"compiling the model failed: {_root_cause(error)}") from error
         self._compiled = True
         self._follow_compiled_mode()
+        total = time.perf_counter() - start
+        backend = self._compile_counters().compile_seconds
+        self._dump.event("trace", "trace", {"total_seconds": total, "backend_seconds": backend},
+                         seconds=total - backend)
 
     def _follow_compiled_mode(self) -> None:
         """Take the graph mode the backend fell back to when no splitting op was in the traced
@@ -173,11 +183,13 @@ class ModelRunner:
                 if not self._graphs.has(*key)]
         before = self._graphs.snapshot()["captures"]
         start = time.perf_counter()
-        failed = []
+        failed, table = [], []
         with self._graphs.capture_phase(), Progress("descriptors captured", len(keys)) as progress:
             for mode, descriptor in keys:
-                if not self._capture_or_warn(mode, descriptor):
-                    failed.append(graph_key(mode, descriptor))
+                row = self._capture_or_warn(mode, descriptor)
+                if row["error"]:
+                    failed.append(row["descriptor"])
+                table.append(row)
                 progress.advance()
         held = self._graphs.snapshot()
         summary = {"descriptors": len(keys) - len(failed), "graphs": held["captures"] - before,
@@ -186,6 +198,7 @@ class ModelRunner:
         logger.info("kvgraph: captured %d descriptors (%d graphs: one per piece each) in %.2f s; "
                     "this runner's graphs hold %.1f MiB", summary["descriptors"],
                     summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
+        self._dump.runtime_json("capture", {**summary, "table": table})
         return summary
 
     def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:
@@ -195,6 +208,8 @@ class ModelRunner:
         """
         self._ensure_compiled()
         step = self.prepare_step(chunks)
+        if self._verifier is not None and self._verifier.wants(step):
+            return self._verifier.run(step)
         hidden = self._run(step)
         return self.model.compute_logits(hidden[step.logits_indices])
 
@@ -237,14 +252,21 @@ class ModelRunner:
                                                   self._graphs):
             yield lambda: self._forward(step.input_ids, step.positions)
 
-    def _capture_or_warn(self, mode: GraphMode, descriptor: BatchDescriptor) -> bool:
+    def _capture_or_warn(self, mode: GraphMode, descriptor: BatchDescriptor) -> dict[str, Any]:
+        """Capture one descriptor; its row of the capture table (`error` None if it worked)."""
+        row = {"descriptor": graph_key(mode, descriptor), "mode": mode.value,
+               "num_tokens": descriptor.num_tokens, "num_reqs": descriptor.num_reqs,
+               "uniform_decode": descriptor.uniform_decode, "error": None}
+        start = time.perf_counter()
         try:
             self._capture_one(mode, descriptor)
-            return True
         except Exception as error:  # noqa: BLE001 - one descriptor's failure costs only its graph
-            logger.warning("kvgraph: capturing %s failed (%s: %s); its batches will run without "
-                           "graphs", graph_key(mode, descriptor), type(error).__name__, error)
-            return False
+            row["error"] = f"{type(error).__name__}: {error}"
+            logger.warning("kvgraph: capturing %s failed (%s); its batches will run without "
+                           "graphs", row["descriptor"], row["error"])
+        row.update(self._graphs.descriptor_report(mode, descriptor),
+                   seconds=time.perf_counter() - start)
+        return row
 
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
         # One-token requests shaped like the descriptor's real batches; they write nothing.
@@ -271,6 +293,7 @@ class ModelRunner:
             "uncaptured": dispatch.uncaptured,
             "graphs": self._graphs.snapshot(),
             "compile": self._compile_counters().snapshot(),
+            "verify": self._verifier.stats() if self._verifier else disabled_stats(),
         }
 
     def _step_label(self, mode: str) -> str:
@@ -279,6 +302,13 @@ class ModelRunner:
         if mode == GraphMode.NONE.value and self.config.graph_mode is GraphMode.EAGER:
             return "eager"
         return mode
+
+    def dump_stats(self) -> dict[str, Any]:
+        """Write `stats()` into the debug dump (stats.json) now, and return it; `close()` does
+        it too."""
+        stats = self.stats()
+        self._dump.runtime_json("stats", stats)
+        return stats
 
     def _compile_counters(self) -> CompileCounters:
         if isinstance(self._forward, CompiledModel):
@@ -290,6 +320,8 @@ class ModelRunner:
         (another runner may then be built on it); the runner cannot run afterwards."""
         if self._forward is None:
             return
+        self.dump_stats()
+        self._dump.close()
         self._graphs.release()
         if isinstance(self._forward, CompiledModel):
             self._forward.release()

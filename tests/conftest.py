@@ -1,9 +1,11 @@
 """Shared test setup: the `cuda` marker skips without a GPU; the compile cache dir and fresh
-Dynamo state fixtures. Shared helpers (models, schedules, `dynamo_capture`) are in
+Dynamo state fixtures, and a small tmpfs for full-disk faults. Shared helpers (models, schedules, `dynamo_capture`) are in
 tests/scenario.py, the attention references in tests/attention_reference.py."""
 
 import logging
 import os
+import subprocess
+from pathlib import Path
 
 # Without an NVIDIA GPU, Triton kernels run in Triton's CPU interpreter (set before Triton
 # decorates any kernel: kvgraph imports its Triton backend only on first use).
@@ -84,3 +86,23 @@ def captures_never_fail_silently(request):
 @pytest.fixture
 def allow_capture_failures():
     """Marks a test that makes captures fail on purpose."""
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`mount(size)`: a new tmpfs of `size` bytes under tmp_path, unmounted after the test."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        point = tmp_path / f"tmpfs-{len(mounted)}"
+        point.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                                 str(point)], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "--lazy", str(point)], check=True)

@@ -88,26 +88,6 @@ def builds(cache_dir: Path) -> dict[str, Path]:
     return {p.stem.rsplit("-", 1)[1]: p for p in cache_dir.glob("*/*.bin")}
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """`mount(size)`: a new tmpfs of `size` bytes under tmp_path, unmounted after the test."""
-    mounted = []
-
-    def mount(size: int) -> Path:
-        point = tmp_path / f"tmpfs-{len(mounted)}"
-        point.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                                 str(point)], capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs (needs root): {result.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in mounted:
-        subprocess.run(["umount", "--lazy", str(point)], check=True)
-
-
 def fill(directory: Path) -> None:
     """Take every free byte of the file system `directory` is on."""
     fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT, 0o600)

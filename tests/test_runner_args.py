@@ -11,7 +11,8 @@ import torch
 
 import kvgraph
 from kvgraph import GraphMode, RequestChunk
-from tests.scenario import CAPTURE_SIZES, assert_matches_eager, make_model
+from kvgraph.compilation.counters import compile_counters
+from tests.scenario import CAPTURE_SIZES, assert_matches_eager, make_model, make_runner
 
 SIZES = dict(num_blocks=16, block_size=4, max_num_seqs=2, max_num_tokens=8)
 
@@ -67,11 +68,12 @@ def test_a_debug_dump_path_that_is_a_file_is_refused(tmp_path):
         kvgraph.CompilationConfig(debug_dump_path=str(path))
 
 
-def test_a_debug_dump_that_cannot_be_written_warns_and_compiles_on(caplog):
+def test_a_debug_dump_that_cannot_be_written_is_refused_before_compiling():
     # /proc takes no new directories, whoever asks: the dump cannot be made.
-    runner = assert_matches_eager("llama", "piecewise", debug_dump_path="/proc/kvgraph-dump")
-    assert runner.stats()["compile"]["pieces"] > 0
-    assert "cannot write the debug dump under /proc/kvgraph-dump" in caplog.text
+    with pytest.raises(kvgraph.ConfigError, match="debug_dump_path: cannot write a debug dump "
+                       "in /proc/kvgraph-dump"):
+        make_runner("llama", "piecewise", debug_dump_path="/proc/kvgraph-dump")
+    assert compile_counters.dynamo_graphs == 0
 
 
 def test_splitting_ops_naming_no_registered_op_are_treated_like_none(caplog):

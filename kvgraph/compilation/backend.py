@@ -146,6 +146,9 @@ class KVGraphBackend:
 
     def _run_passes(self, gm: fx.GraphModule, dump: DumpSession) -> None:
         """The passes, each dumped as the graph after it, then one summary of what each did."""
+        if not dump.active:
+            self.pass_manager(gm)
+            return
         summaries = []
         before, last = node_signatures(gm), time.perf_counter()
         start = last
@@ -211,7 +214,8 @@ class KVGraphBackend:
         fingerprints = {piece.name: graph_fingerprint(piece.graph_module)
                         for piece in split.pieces if not piece.is_splitting_op}
         dump.graph("split", "split", split.split_module, seconds=time.perf_counter() - start)
-        dump.json("split", "split-pieces", split_report(split, fingerprints))
+        if dump.active:
+            dump.json("split", "split-pieces", split_report(split, fingerprints))
         names = {fingerprint: name for name, fingerprint in reversed(fingerprints.items())}
         compiler = self._piece_compiler(cache, dump, config.inductor_options, names)
         built: dict[str, PiecewiseBackend] = {}

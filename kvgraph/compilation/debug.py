@@ -26,6 +26,7 @@ import json
 import logging
 import shutil
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,14 +55,19 @@ def session_dir(path: str | Path) -> Path:
 
 
 class _WarningRecorder(logging.Handler):
-    """Records kvgraph's warnings in the session while it is open."""
+    """Records kvgraph's warnings in the session while it is open (and alive: the logger must
+    not keep a dropped runner's session)."""
 
     def __init__(self, session: DumpSession):
         super().__init__(logging.WARNING)
-        self.session = session
+        self.session = weakref.ref(session)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.session.event("warning", record.name, {"message": record.getMessage()})
+        session = self.session()
+        if session is None:
+            logging.getLogger("kvgraph").removeHandler(self)
+            return
+        session.event("warning", record.name, {"message": record.getMessage()})
 
 
 class DumpSession:
@@ -103,6 +109,13 @@ class DumpSession:
         logger.info("kvgraph: writing the debug dump to %s (read it with python -m "
                     "kvgraph.inspect %s)", directory, directory)
         return cls(directory)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is recorded: files, or a structured trace (`TORCH_TRACE`)."""
+        from torch._logging._internal import trace_log
+
+        return not self.failed or bool(trace_log.handlers)
 
     # --- stages ------------------------------------------------------------------------------
 

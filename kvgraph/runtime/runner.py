@@ -88,12 +88,17 @@ class ModelRunner:
         self.attn_backend = attn_backend or self._platform.attention_backend
         self._backend = get_attention_backend(self.attn_backend, self.device)
         config = with_max_num_tokens(config or CompilationConfig(), max_num_tokens)
+        self._dump = DumpSession.open(config.debug_dump_path)  # records the warnings below too
         self.config = config.replace(graph_mode=resolve_graph_mode(
             config.graph_mode, self._backend.graph_support, self._backend.name,
             bool(config.splitting_ops)))
         self.limits = StepLimits(self.config.max_num_tokens, max_num_seqs,
                                  max_model_len or num_blocks * block_size, num_blocks, block_size)
         self.vocab_size = vocab_size or model_vocab_size(model)
+        self._dump.event("runner", "runner", {
+            "requested_graph_mode": config.graph_mode.value,
+            "graph_mode": self.config.graph_mode.value, "attn_backend": self.attn_backend,
+            "device": str(self.device), "limits": vars(self.limits)})
         self.model = model
         self.kv_caches = self._bind_caches(model, dtype or next(model.parameters()).dtype)
         self._buffers = InputBuffers(self.limits, self.device)
@@ -101,7 +106,6 @@ class ModelRunner:
         # A device graph freezes the host ints attention's shapes depend on; a CPU graph does not.
         self._freezes_shapes = self._platform.freezes_shapes
         self._dispatcher = self._new_dispatcher()
-        self._dump = DumpSession.open(self.config.debug_dump_path)
         compiles = self.config.graph_mode.compiles
         self._forward = compile_model(model, self.config, self._dump) if compiles else model
         self._compiled = not compiles

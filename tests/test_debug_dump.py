@@ -223,7 +223,8 @@ def test_inductor_builds_dump_their_code_and_say_why_the_cache_missed(tmp_path):
 
 @pytest.mark.slow
 def test_tlparse_shows_kvgraphs_stages_beside_dynamos(tmp_path):
-    tlparse = shutil.which("tlparse")
+    beside = Path(sys.executable).parent / "tlparse"  # a venv's, whether or not it is on PATH
+    tlparse = str(beside) if beside.exists() else shutil.which("tlparse")
     if tlparse is None:
         pytest.skip("tlparse is not installed (pip install tlparse; it is in the test extra)")
     script = ("from tests.scenario import make_runner, generate\n"

@@ -16,7 +16,8 @@ ALL_MODES = ["eager", "none", "piecewise", "full", "full_decode_only", "full_and
 FIELDS = [
     "graph_mode", "max_num_tokens", "capture_sizes", "compile_sizes", "piece_compiler",
     "splitting_ops", "passes", "mode", "use_compile_cache", "cache_dir", "debug_dump_path",
-    "check_guards", "check_graph_inputs", "on_compile_error",
+    "check_guards", "check_graph_inputs", "on_compile_error", "verify", "verify_every",
+    "verify_action", "verify_tolerance",
 ]
 
 
@@ -102,6 +103,8 @@ def test_defaults(monkeypatch, tmp_path):
     assert config.check_guards is False
     assert config.check_graph_inputs is False
     assert config.on_compile_error == "eager"
+    assert (config.verify, config.verify_every, config.verify_action) == (False, 0, "warn")
+    assert config.verify_tolerance is None
     assert config.inductor_options == {}
 
 
@@ -399,6 +402,19 @@ def test_cli_flags_override_env_and_env_fills_the_rest():
     assert config.max_num_tokens == 64  # env only
     assert config.debug_dump_path == "/tmp/env-dump"  # env only
     assert config.cache_dir == "/tmp/env-cache"  # env only
+
+
+def test_verify_settings_from_flags_and_environment():
+    args = parse(["--verify", "--verify-every", "16", "--verify-action", "raise",
+                  "--verify-tolerance", "0.01"])
+    config = CompilationConfig.from_cli_args(args, {})
+    assert (config.verify, config.verify_every, config.verify_action) == (True, 16, "raise")
+    assert config.verify_tolerance == 0.01
+    config = CompilationConfig.from_env({"KVGRAPH_VERIFY": "1", "KVGRAPH_VERIFY_EVERY": "4",
+                                         "KVGRAPH_VERIFY_TOLERANCE": "1e-3"})
+    assert (config.verify, config.verify_every, config.verify_tolerance) == (True, 4, 1e-3)
+    with pytest.raises(kvgraph.ConfigError, match="KVGRAPH_VERIFY_EVERY"):
+        CompilationConfig.from_env({"KVGRAPH_VERIFY_EVERY": "-2"})
 
 
 def test_cli_no_compile_cache_without_env():

@@ -70,6 +70,15 @@ def refused(field: str, **kwargs) -> str:
     ("graph_mode", None, "GraphMode"),
     ("on_compile_error", "ignore", "raise"),
     ("on_compile_error", True, "raise"),
+    ("verify", 1, "True or False"),
+    ("verify", "yes", "True or False"),
+    ("verify_every", -1, "int >= 0"),
+    ("verify_every", 2.0, "int >= 0"),
+    ("verify_every", True, "int >= 0"),
+    ("verify_action", "ignore", "warn"),
+    ("verify_tolerance", 0, "finite number > 0"),
+    ("verify_tolerance", float("nan"), "finite number > 0"),
+    ("verify_tolerance", "0.1", "finite number > 0"),
 ])
 def test_wrong_type_refused_naming_field_expected_and_got(field, value, expected):
     message = refused(field, **{field: value})

@@ -102,6 +102,15 @@ class KVGraphBackend:
         self.counters.add("dynamo_graphs")
         if not self.config.graph_mode.compiles:
             return gm
+        dump = self.dump
+        dump.begin_compile()  # first: the warnings of the compile belong to it
+        try:
+            return self._compile_graph(gm, dump)
+        finally:
+            dump.end_compile()
+
+    def _compile_graph(self, gm: fx.GraphModule, dump: DumpSession) -> Callable:
+        """Passes, split, builds: what the backend makes of one Dynamo graph, dumped."""
         start = time.perf_counter()
         self._downgrade_if_nothing_splits(gm)
         values = _example_values(gm)
@@ -116,8 +125,6 @@ class KVGraphBackend:
             logger.warning("kvgraph: Dynamo gave this backend graph %d: the model was traced "
                            "again (a guard failed) or a graph break split it",
                            self.counters.dynamo_graphs)
-        dump = self.dump
-        dump.begin_compile()
         dump.json("config", "config", dataclasses.asdict(self.config))
         dump.graph("dynamo", "dynamo", gm)
         dump.text("dynamo", "dynamo-nodes", lambda: node_table(gm), suffix=".md")
@@ -128,7 +135,6 @@ class KVGraphBackend:
         seconds = time.perf_counter() - start
         self.counters.add("compile_seconds", seconds)
         dump.json("counters", "counters", self.counters.snapshot(), seconds=seconds)
-        dump.end_compile()
         if self.config.graph_mode.has_full_graphs:
             compiled = GraphWrapper(compiled, GraphMode.FULL, "full", last=True)
             if self.config.graph_mode.only_full_graphs or not self.config.splitting_ops:
@@ -261,6 +267,8 @@ class KVGraphBackend:
             cache.record_factors(factors)
         dump.json("cache", "cache-key", {
             "used": cache is not None, "key": key, "directory": cache and str(cache.directory),
+            "why": None if cache else f"{config.cache_dir} could not be made or used (see the "
+                                      "warning before this)",
             "key_change": cache and cache.key_change, "factors": factors})
         return cache
 

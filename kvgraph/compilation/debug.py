@@ -163,7 +163,8 @@ class DumpSession:
                 self._listed_reports.add(name)
                 self._append(INDEX, f"- [{file}]({file}) (runtime report)\n")
         self._trace(name, lambda: _to_json(data), ".json", graph=False)
-        self.event(name, name, data, file=file)
+        # The file holds the report: events.jsonl would grow by a whole report per rewrite.
+        self.event(name, name, file=file)
 
     def event(self, stage: str, name: str, data: Any = None, seconds: float | None = None,
               file: str | None = None) -> None:

@@ -1,0 +1,31 @@
+"""Reading kvgraph's debug dumps: `python -m kvgraph.inspect DIR [--html OUT.html] [--json]`.
+
+    summaries = load_dump(DIR)          # one Summary per session: DIR, or each DIR/rank_<r>
+    print(text_report(summaries))       # or html_report(summaries), summary_json(summaries)
+
+A path with no dump raises DumpError, whose message says what was there instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from kvgraph.inspect.dump_reader import DumpError, read_session, session_dirs
+from kvgraph.inspect.html_report import html_report
+from kvgraph.inspect.summary import Summary, summarise
+from kvgraph.inspect.text_report import text_report
+
+__all__ = ["DumpError", "Summary", "load_dump", "text_report", "html_report", "summary_json"]
+
+
+def load_dump(path: str | Path) -> list[Summary]:
+    """The Summary of each session of the dump at `path`, in rank order."""
+    return [summarise(read_session(directory, rank)) for directory, rank in session_dirs(path)]
+
+
+def summary_json(summaries: list[Summary]) -> str:
+    """The summaries as one JSON document: `{"sessions": [...]}`, a session per rank."""
+    return json.dumps({"sessions": [dataclasses.asdict(s) for s in summaries]}, indent=2,
+                      default=str)

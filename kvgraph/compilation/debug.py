@@ -153,9 +153,10 @@ class DumpSession:
         self.text(stage, name, lambda: _to_json(data), suffix=".json", data=data,
                   seconds=seconds)
 
-    def runtime_json(self, name: str, data: Any) -> None:
+    def runtime_json(self, name: str, data: Any, in_events: bool = False) -> None:
         """Write (or rewrite) the runtime report `<name>.json` at the session's top: capture,
-        stats, verify."""
+        stats, verify. `in_events` also keeps this version in its event (for a report made
+        a few times, whose every version counts: each `capture()`'s)."""
         file = None
         if not self.failed and self._write(f"{name}.json", _to_json(data), listed=False):
             file = f"{name}.json"
@@ -163,8 +164,8 @@ class DumpSession:
                 self._listed_reports.add(name)
                 self._append(INDEX, f"- [{file}]({file}) (runtime report)\n")
         self._trace(name, lambda: _to_json(data), ".json", graph=False)
-        # The file holds the report: events.jsonl would grow by a whole report per rewrite.
-        self.event(name, name, file=file)
+        # Otherwise only the file holds it: events.jsonl would grow by a report per rewrite.
+        self.event(name, name, data if in_events else None, file=file)
 
     def event(self, stage: str, name: str, data: Any = None, seconds: float | None = None,
               file: str | None = None) -> None:

@@ -135,7 +135,7 @@ def summarise(raw: RawSession) -> Summary:
     for compile_ in ordered:
         _add_whole_graph_piece(compile_)
     summary = Summary(str(raw.directory), raw.rank, list(raw.notes),
-                      _timeline(raw.events, compiles), ordered, runner, trace, captures,
+                      _timeline(raw.events, compiles, raw.reports), ordered, runner, trace, captures,
                       raw.reports.get("stats"), raw.reports.get("verify"), files)
     summary.time_spent = time_spent(summary)
     summary.warnings = find_warnings(summary, raw.events)
@@ -196,7 +196,8 @@ def _add_whole_graph_piece(compile_: Compile) -> None:
                            for name in dict.fromkeys(b.piece for b in compile_.builds)]
 
 
-def _timeline(events: list[dict[str, Any]], compiles: dict[int, Compile]) -> list[Stage]:
+def _timeline(events: list[dict[str, Any]], compiles: dict[int, Compile],
+              reports: dict[str, Any]) -> list[Stage]:
     last_of = {e.get("stage"): i for i, e in enumerate(events) if e.get("stage") in _REWRITTEN}
     writes = {stage: sum(e.get("stage") == stage for e in events) for stage in last_of}
     stages = []
@@ -207,7 +208,10 @@ def _timeline(events: list[dict[str, Any]], compiles: dict[int, Compile]) -> lis
         if stage in _REWRITTEN and last_of[stage] != index:
             continue
         compile_ = compiles.get(event.get("compile"))  # type: ignore[arg-type]
-        detail = _detail(stage, name, event.get("data"), compile_)
+        data = event.get("data")
+        if data is None and stage in _REWRITTEN:  # its report file holds it, not the event
+            data = reports.get(stage)
+        detail = _detail(stage, name, data, compile_)
         if stage in _REWRITTEN and writes[stage] > 1:
             detail += f" (the newest of {writes[stage]} writes)"
         stages.append(Stage(event.get("seq"), event.get("time"), event.get("compile"),

@@ -202,7 +202,7 @@ class ModelRunner:
         logger.info("kvgraph: captured %d descriptors (%d graphs: one per piece each) in %.2f s; "
                     "this runner's graphs hold %.1f MiB", summary["descriptors"],
                     summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
-        self._dump.runtime_json("capture", {**summary, "table": table})
+        self._dump.runtime_json("capture", {**summary, "table": table}, in_events=True)
         return summary
 
     def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:

@@ -134,9 +134,9 @@ def summarise(raw: RawSession) -> Summary:
     ordered = [compiles[n] for n in sorted(compiles)]
     for compile_ in ordered:
         _add_whole_graph_piece(compile_)
-    summary = Summary(str(raw.directory), raw.rank, list(raw.notes),
-                      _timeline(raw.events, compiles, raw.reports), ordered, runner, trace, captures,
-                      raw.reports.get("stats"), raw.reports.get("verify"), files)
+    timeline = _timeline(raw.events, compiles, raw.reports)
+    summary = Summary(str(raw.directory), raw.rank, list(raw.notes), timeline, ordered, runner,
+                      trace, captures, raw.reports.get("stats"), raw.reports.get("verify"), files)
     summary.time_spent = time_spent(summary)
     summary.warnings = find_warnings(summary, raw.events)
     return summary

@@ -5,14 +5,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from kvgraph.errors import ForwardContextError
 
 if TYPE_CHECKING:
+    import torch
+
     from kvgraph.attention.metadata import AttentionMetadata
     from kvgraph.config import GraphMode
     from kvgraph.runtime.graphs import GraphSet
+
+# What an attention op tells a probe after it ran: its op name, the layer's cache (which names
+# the layer), its inputs and its output. See ForwardContext.probe.
+AttentionProbe = Callable[[str, "list[torch.Tensor]", "tuple[torch.Tensor, ...]", "torch.Tensor"],
+                          None]
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,9 @@ class ForwardContext:
     the default for the device the attention inputs live on. `runtime_mode` is what the
     dispatcher chose for this step (`NONE`, `PIECEWISE` or `FULL`): graph wrappers of that mode
     replay the `batch_descriptor`'s graph from `graphs` (the runner's graph set), all others
-    just run; without `graphs` every wrapper just runs.
+    just run; without `graphs` every wrapper just runs. `probe`, when set, is called by every
+    attention op after it ran (see AttentionProbe): how verify mode finds the first layer
+    where two runs of one batch part. It costs one attribute check per op when unset.
     """
 
     attn_metadata: AttentionMetadata | None
@@ -53,6 +62,7 @@ class ForwardContext:
     attn_backend: str | None = None
     runtime_mode: GraphMode | None = None
     graphs: GraphSet | None = None
+    probe: AttentionProbe | None = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -67,12 +77,14 @@ def set_forward_context(
     attn_backend: str | None = None,
     runtime_mode: GraphMode | None = None,
     graphs: GraphSet | None = None,
+    probe: AttentionProbe | None = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention op called inside the block.
 
     Contexts nest: leaving an inner one restores the outer one, also on an exception.
     """
-    context = ForwardContext(attn_metadata, batch_descriptor, attn_backend, runtime_mode, graphs)
+    context = ForwardContext(attn_metadata, batch_descriptor, attn_backend, runtime_mode, graphs,
+                             probe)
     token = _current.set(context)
     try:
         yield context

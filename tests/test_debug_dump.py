@@ -3,6 +3,7 @@ agree with its files, and that a dump dir that fails never fails a compile or a 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -242,3 +243,13 @@ def test_tlparse_shows_kvgraphs_stages_beside_dynamos(tmp_path):
                  "kvgraph_stats"):
         assert f"{name}_" in page, name
     assert "dynamo_output_graph" in page  # Dynamo's own entries are there too
+
+
+def test_a_dropped_runners_dump_records_no_later_warnings(tmp_path):
+    runner = make_runner("llama", "piecewise", debug_dump_path=str(tmp_path))
+    runner.compile()
+    del runner  # dropped without close(): torch keeps its backend, which must let go
+    gc.collect()
+    before = (tmp_path / "events.jsonl").read_text()
+    logging.getLogger("kvgraph.runtime.runner").warning("kvgraph: a later warning")
+    assert (tmp_path / "events.jsonl").read_text() == before

@@ -109,6 +109,23 @@ class EngineCollector(Collector):
                        "capture size", runner["padded_tokens"])
         yield _gauge("kvgraph_graph_bytes", "Memory the captured graphs hold",
                      runner["graphs"]["graph_bytes"])
+        yield from _verify_metrics(runner.get("verify") or {})
+
+
+def _verify_metrics(verify: dict[str, Any]) -> Iterator[Any]:
+    """Verify mode's totals and its worst difference per descriptor (all zero when it is off)."""
+    yield _counter("kvgraph_verify_checks", "Graph steps checked against eager (--verify)",
+                   verify.get("checks", 0))
+    yield _counter("kvgraph_verify_failures", "Checked steps whose graphs and eager differed "
+                   "beyond the tolerance", verify.get("failures", 0))
+    yield _counter("kvgraph_verify_token_flips", "Greedy tokens a checked step's graphs chose "
+                   "differently from eager", verify.get("token_flips", 0))
+    worst = GaugeMetricFamily("kvgraph_verify_max_rel_diff", "Largest logit difference seen, "
+                              "relative to the eager logits' scale", labels=["mode", "descriptor"])
+    for key, record in verify.get("descriptors", {}).items():
+        mode, _, descriptor = key.partition(":")
+        worst.add_metric([mode, descriptor], record["max_rel"])
+    yield worst
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

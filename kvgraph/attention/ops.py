@@ -18,7 +18,7 @@ import torch
 from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.metadata import AttentionMetadata
 from kvgraph.errors import BatchError, ForwardContextError
-from kvgraph.forward_context import get_forward_context
+from kvgraph.forward_context import AttentionProbe, get_forward_context
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -68,7 +68,8 @@ def _check_once(signature: tuple, check: Callable[[], None]) -> None:
         _checked.add(signature)
 
 
-def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None]:
+def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None, AttentionProbe | None]:
+    """The step's metadata, attention backend name and probe (see ForwardContext)."""
     context = get_forward_context()
     metadata = context.attn_metadata
     if metadata is None:
@@ -80,7 +81,7 @@ def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None]:
             f"the batch has {num_tokens} tokens but its slot_mapping has "
             f"{metadata.slot_mapping.shape[0]}; metadata and inputs must describe the same batch"
         )
-    return metadata, context.attn_backend
+    return metadata, context.attn_backend, context.probe
 
 
 _library = torch.library.Library("kvgraph", "DEF")  # kept alive: it owns the registrations
@@ -101,7 +102,7 @@ def unified_attention(query, key, value, kv_cache, out, scale, sliding_window=-1
     `write_kv=False` is a layer that reads another layer's cache: nothing is written, and its
     keys and values come from the cache alone (the target layer wrote this step's tokens).
     """
-    metadata, backend = _metadata(query.shape[0])
+    metadata, backend, probe = _metadata(query.shape[0])
 
     def check() -> None:
         num_tokens, num_heads, head_size = query.shape
@@ -118,6 +119,8 @@ def unified_attention(query, key, value, kv_cache, out, scale, sliding_window=-1
         query, key, value, kv_cache, out, metadata, scale,
         sliding_window if sliding_window > 0 else None, write_kv,
     )
+    if probe is not None:
+        probe("unified_attention", kv_cache, (query, key, value), out)
 
 
 def unified_mla_attention(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale, write_kv=True):
@@ -125,7 +128,7 @@ def unified_mla_attention(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale, writ
 
     `write_kv=False`: the layer reads another layer's cache and writes nothing.
     """
-    metadata, backend = _metadata(q_latent.shape[0])
+    metadata, backend, probe = _metadata(q_latent.shape[0])
 
     def check() -> None:
         num_tokens, num_heads, kv_lora_rank = q_latent.shape
@@ -141,6 +144,8 @@ def unified_mla_attention(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale, writ
     get_attention_backend(backend, q_latent.device).forward_mla(
         q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale, write_kv
     )
+    if probe is not None:
+        probe("unified_mla_attention", kv_cache, (q_latent, q_pe, kv_c, k_pe), out)
 
 
 def encoder_attention(query, key, value, out, scale, sliding_window=-1):
@@ -148,7 +153,7 @@ def encoder_attention(query, key, value, out, scale, sliding_window=-1):
 
     With `sliding_window` w > 0, token i sees token j of its request only when |i - j| < w.
     """
-    metadata, backend = _metadata(query.shape[0])
+    metadata, backend, probe = _metadata(query.shape[0])
 
     def check() -> None:
         num_tokens, num_heads, head_size = query.shape
@@ -161,6 +166,8 @@ def encoder_attention(query, key, value, out, scale, sliding_window=-1):
     get_attention_backend(backend, query.device).forward_encoder(
         query, key, value, out, metadata, scale, sliding_window if sliding_window > 0 else None
     )
+    if probe is not None:
+        probe("encoder_attention", [], (query, key, value), out)
 
 
 def _returns_nothing(*args, **kwargs) -> None:

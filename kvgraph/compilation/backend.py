@@ -142,6 +142,13 @@ class KVGraphBackend:
                                                  graph_fingerprint(gm), is_whole_graph=True))
         return compiled
 
+    def release(self) -> None:
+        """Let go of the pieces and close the dump: torch keeps a backend it compiled with for
+        the process's life, so what it holds would stay too."""
+        self.pieces.clear()
+        if self._dump is not None:
+            self._dump.close()
+
     @property
     def dump(self) -> DumpSession:
         """The debug dump this backend writes to: the runner's, else its own (opened on the first

@@ -74,14 +74,14 @@ class CompiledModel:
         self._code = forward.__func__.__code__
         self._globals = forward.__func__.__globals__
         self._own_names = set(self._globals)
-        weakref.finalize(self, _drop_installed, self._globals, self._own_names)
+        weakref.finalize(self, _release, self._globals, self._own_names, self.backend)
         self._compiled = torch.compile(forward, backend=self.backend, options=options)
         self._traced = False
 
     def release(self) -> None:
         """Free the compiled code (what Dynamo installed in the forward's globals); the model
         cannot be called through this object afterwards."""
-        _drop_installed(self._globals, self._own_names)
+        _release(self._globals, self._own_names, self.backend)
         self._compiled = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs: Any) -> Any:
@@ -97,6 +97,13 @@ class CompiledModel:
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
+
+
+def _release(scope: dict[str, Any], original: set[str], backend: KVGraphBackend) -> None:
+    """Free what outlives a compiled model unless let go: what Dynamo installed in its forward's
+    globals, and what its backend holds (torch keeps the backend object for the process)."""
+    _drop_installed(scope, original)
+    backend.release()
 
 
 def _drop_installed(scope: dict[str, Any], original: set[str]) -> None:

@@ -253,3 +253,19 @@ def test_a_dropped_runners_dump_records_no_later_warnings(tmp_path):
     before = (tmp_path / "events.jsonl").read_text()
     logging.getLogger("kvgraph.runtime.runner").warning("kvgraph: a later warning")
     assert (tmp_path / "events.jsonl").read_text() == before
+
+
+def test_dump_code_that_fails_on_a_graph_costs_a_note_not_the_compile(tmp_path, monkeypatch,
+                                                                       caplog):
+    import kvgraph.compilation.backend as backend
+
+    def unexpected(*args):
+        raise KeyError("a graph the report does not expect")
+
+    monkeypatch.setattr(backend, "split_report", unexpected)
+    with caplog.at_level(logging.WARNING):
+        runner = assert_matches_eager("llama", "piecewise", debug_dump_path=str(tmp_path))
+    assert runner.stats()["compile"]["pieces"] == LAYERS + 1
+    (report,) = tmp_path.glob("compile-000/*-split-pieces.json")
+    assert "could not describe split-pieces: KeyError" in report.read_text()
+    assert sum("could not describe" in r.getMessage() for r in caplog.records) == 1

@@ -227,8 +227,7 @@ class KVGraphBackend:
         fingerprints = {piece.name: graph_fingerprint(piece.graph_module)
                         for piece in split.pieces if not piece.is_splitting_op}
         dump.graph("split", "split", split.split_module, seconds=time.perf_counter() - start)
-        if dump.active:
-            dump.json("split", "split-pieces", split_report(split, fingerprints))
+        dump.json("split", "split-pieces", lambda: split_report(split, fingerprints))
         names = {fingerprint: name for name, fingerprint in reversed(fingerprints.items())}
         compiler = self._piece_compiler(cache, dump, config.inductor_options, names)
         built: dict[str, PiecewiseBackend] = {}

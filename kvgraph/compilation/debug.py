@@ -86,6 +86,7 @@ class DumpSession:
         self._seq = 0
         self._files = 0
         self._listed_reports: set[str] = set()
+        self._render_failed = False
         self._warnings = _WarningRecorder(self) if directory is not None else None
         if self._warnings:
             logging.getLogger("kvgraph").addHandler(self._warnings)
@@ -135,7 +136,7 @@ class DumpSession:
              data: Any = None, seconds: float | None = None, graph: bool = False) -> None:
         """Write `payload` (a string, or a function making it) as the next file of the compile
         under way (else at the session's top), list it, record the event and trace it."""
-        make = payload if callable(payload) else (lambda: payload)
+        make = self._safe(name, payload if callable(payload) else (lambda: payload))
         file = None
         if not self.failed:
             file = self._file_name(name, suffix)
@@ -150,8 +151,28 @@ class DumpSession:
                   graph=True, **kwargs)
 
     def json(self, stage: str, name: str, data: Any, seconds: float | None = None) -> None:
+        """`data` (or, when callable, what it returns: made only if something is recorded)
+        as a JSON file, also kept in its event."""
+        if callable(data):
+            if not self.active:
+                return
+            data = self._safe(name, data)()
         self.text(stage, name, lambda: _to_json(data), suffix=".json", data=data,
                   seconds=seconds)
+
+    def _safe(self, name: str, make: Callable[[], Any]) -> Callable[[], Any]:
+        """`make`, whose error (a graph the dump code does not expect) becomes a note in the
+        dump and one warning, never a failed compile."""
+        def made() -> Any:
+            try:
+                return make()
+            except Exception as error:  # noqa: BLE001 - a dump must not fail a compile
+                if not self._render_failed:
+                    self._render_failed = True
+                    logger.warning("kvgraph: the debug dump could not describe %s (%s: %s); "
+                                   "compiling on", name, type(error).__name__, error)
+                return f"# kvgraph could not describe {name}: {type(error).__name__}: {error}\n"
+        return made
 
     def runtime_json(self, name: str, data: Any, in_events: bool = False) -> None:
         """Write (or rewrite) the runtime report `<name>.json` at the session's top: capture,

@@ -230,53 +230,69 @@ def _capture_detail(row: dict[str, Any]) -> str:
             f"{units.size(row.get('bytes'))}")
 
 
+def _pass_detail(name: str, compile_: Compile | None) -> str:
+    entry = next((p for p in compile_.passes if f"pass-{p.get('pass')}" == name), None) \
+        if compile_ is not None else None
+    if not entry:
+        return ""
+    return (f"{entry.get('nodes_before')} -> {entry.get('nodes_after')} nodes: "
+            f"{len(entry.get('removed', []))} removed, {len(entry.get('added', []))} "
+            f"added, {len(entry.get('changed', []))} changed")
+
+
+def _split_detail(compile_: Compile | None) -> str:
+    if compile_ is None or not compile_.split:
+        return ""
+    split = compile_.split
+    return (f"{len(split.get('pieces', []))} pieces: {split.get('compute_pieces')} compute "
+            f"({split.get('unique_compute_pieces')} unique), "
+            f"{split.get('attention_pieces')} attention")
+
+
+def _cache_detail(data: dict) -> str:
+    if not data.get("used"):
+        return f"not used: {data.get('why')}"
+    return f"key {str(data.get('key'))[:12]}: {data.get('key_change') or 'known here'}"
+
+
+def _build_detail(data: dict) -> str:
+    hit = {"loaded": ", cache hit", "built": ", cache miss"}.get(str(data.get("outcome")), "")
+    return f"{data.get('piece')} {data.get('size')}: {data.get('outcome')}{hit}"
+
+
+# A few words on a stage whose event carries a dict, by stage.
+_DICT_DETAILS: dict[str, Any] = {
+    "config": lambda d: (f"graph_mode {d.get('graph_mode')}, piece_compiler "
+                         f"{d.get('piece_compiler')}, compile_sizes {d.get('compile_sizes')}"),
+    "runner": lambda d: (f"graph_mode {d.get('requested_graph_mode')} asked, "
+                         f"{d.get('graph_mode')} resolved; attn_backend {d.get('attn_backend')} "
+                         f"on {d.get('device')}"),
+    "cache": _cache_detail,
+    "build": _build_detail,
+    "counters": lambda d: (f"the whole compile: {d.get('builds')} builds, "
+                           f"{d.get('cache_hits')} cache hits, {d.get('build_fallbacks')} "
+                           "fallbacks"),
+    "trace": lambda d: (f"Dynamo's part of {units.seconds(d.get('total_seconds'))} "
+                        f"(kvgraph's backend: {units.seconds(d.get('backend_seconds'))})"),
+    "capture": lambda d: (f"{units.count(d.get('descriptors'), 'descriptor')}, "
+                          f"{units.count(d.get('graphs'), 'graph')}, "
+                          f"{units.size(d.get('bytes'))}, {len(d.get('failed') or [])} failed"),
+    "stats": lambda d: (f"graph_mode {d.get('graph_mode')}, "
+                        f"{sum((d.get('hits') or {}).values())} steps"),
+    "verify": lambda d: (f"{d.get('checks')} checks, {d.get('failures')} failures"
+                         if "checks" in d else ""),
+}
+_FIXED_DETAILS = {"bytecode": "the bytecode Dynamo made", "dynamo": "the graph Dynamo traced"}
+
+
 def _detail(stage: Any, name: str, data: Any, compile_: Compile | None) -> str:
     """A few words on what a stage did, for the timeline."""
-    data = data if data is not None else {}
-    if stage == "config" and isinstance(data, dict):
-        return (f"graph_mode {data.get('graph_mode')}, piece_compiler "
-                f"{data.get('piece_compiler')}, compile_sizes {data.get('compile_sizes')}")
-    if stage == "runner" and isinstance(data, dict):
-        return (f"graph_mode {data.get('requested_graph_mode')} asked, "
-                f"{data.get('graph_mode')} resolved; attn_backend {data.get('attn_backend')} "
-                f"on {data.get('device')}")
-    if stage == "cache" and isinstance(data, dict):
-        if not data.get("used"):
-            return f"not used: {data.get('why')}"
-        return f"key {str(data.get('key'))[:12]}: {data.get('key_change') or 'known here'}"
-    if stage == "pass" and compile_ is not None:
-        entry = next((p for p in compile_.passes if f"pass-{p.get('pass')}" == name), None)
-        if entry:
-            return (f"{entry.get('nodes_before')} -> {entry.get('nodes_after')} nodes: "
-                    f"{len(entry.get('removed', []))} removed, {len(entry.get('added', []))} "
-                    f"added, {len(entry.get('changed', []))} changed")
+    if stage == "pass":
+        return _pass_detail(name, compile_)
+    if stage == "split":
+        return _split_detail(compile_)
     if stage == "passes" and isinstance(data, list):
         return units.count(len(data), "pass", "passes") + " in all"
-    if stage == "split" and compile_ is not None and compile_.split:
-        split = compile_.split
-        return (f"{len(split.get('pieces', []))} pieces: {split.get('compute_pieces')} compute "
-                f"({split.get('unique_compute_pieces')} unique), "
-                f"{split.get('attention_pieces')} attention")
-    if stage == "build" and isinstance(data, dict):
-        hit = {"loaded": ", cache hit", "built": ", cache miss"}.get(str(data.get("outcome")), "")
-        return f"{data.get('piece')} {data.get('size')}: {data.get('outcome')}{hit}"
-    if stage == "counters" and isinstance(data, dict):
-        return (f"the whole compile: {data.get('builds')} builds, {data.get('cache_hits')} "
-                f"cache hits, {data.get('build_fallbacks')} fallbacks")
-    if stage == "trace" and isinstance(data, dict):
-        return (f"Dynamo's part of {units.seconds(data.get('total_seconds'))} "
-                f"(kvgraph's backend: {units.seconds(data.get('backend_seconds'))})")
-    if stage == "capture" and isinstance(data, dict):
-        return (f"{units.count(data.get('descriptors'), 'descriptor')}, "
-                f"{units.count(data.get('graphs'), 'graph')}, "
-                f"{units.size(data.get('bytes'))}, {len(data.get('failed') or [])} failed")
-    if stage == "stats" and isinstance(data, dict):
-        return (f"graph_mode {data.get('graph_mode')}, "
-                f"{sum((data.get('hits') or {}).values())} steps")
-    if stage == "verify" and isinstance(data, dict) and "checks" in data:
-        return f"{data.get('checks')} checks, {data.get('failures')} failures"
-    if stage == "bytecode":
-        return "the bytecode Dynamo made"
-    if stage == "dynamo":
-        return "the graph Dynamo traced"
-    return ""
+    if stage in _DICT_DETAILS and isinstance(data, dict):
+        return _DICT_DETAILS[stage](data)
+    return _FIXED_DETAILS.get(stage, "")

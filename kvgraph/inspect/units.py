@@ -9,7 +9,7 @@ def seconds(value: float | None) -> str:
     """`value` seconds as "1.23 s" or "4.5 ms"; "" when unknown."""
     if value is None:
         return ""
-    if abs(value) >= 1:
+    if abs(value) >= 0.9995:  # what would round to "1e+03 ms"
         return f"{value:.2f} s"
     return f"{value * 1000:.3g} ms"
 

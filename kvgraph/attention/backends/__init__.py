@@ -22,6 +22,7 @@ DEFAULT_BACKEND = "torch_native"
 _BACKENDS: dict[str, str | type] = {
     "torch_native": "kvgraph.attention.backends.torch_native:TorchNativeBackend",
     "triton": "kvgraph.attention.backends.triton:TritonBackend",
+    "ascend": "kvgraph.attention.backends.ascend:AscendBackend",
 }
 _instances: dict[str, AttentionBackend] = {}
 

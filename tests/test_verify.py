@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -356,9 +357,16 @@ def test_the_cli_flag_and_the_server_metrics():
         answer = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 4,
                                                       "temperature": 0, "ignore_eos": True})
         assert answer.status_code == 200, answer.text
-        text = client.get("/metrics").text
-    checks = engine.runner.stats()["verify"]["checks"]
-    assert checks >= 2  # the prompt's descriptor and the decode's
+        checks = engine.runner.stats()["verify"]["checks"]
+        assert checks >= 2  # the prompt's descriptor and the decode's
+        # The engine publishes its stats after each step, maybe just after the answer went out.
+        deadline = time.monotonic() + 10
+        while True:
+            text = client.get("/metrics").text
+            if f"kvgraph_verify_checks_total {float(checks)}" in text or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     assert f"kvgraph_verify_checks_total {float(checks)}" in text
     assert "kvgraph_verify_failures_total 0.0" in text
 

@@ -60,7 +60,6 @@ class CompiledPiece:
     graph_module: fx.GraphModule
     holder: dict
     key: str
-    fingerprint: str
     is_whole_graph: bool = False
 
 
@@ -137,9 +136,9 @@ class KVGraphBackend:
         dump.json("counters", "counters", self.counters.snapshot(), seconds=seconds)
         if self.config.graph_mode.has_full_graphs:
             compiled = GraphWrapper(compiled, GraphMode.FULL, "full", last=True)
-            if self.config.graph_mode.only_full_graphs or not self.config.splitting_ops:
+            if self._builds_whole_graph:
                 self.pieces.append(CompiledPiece("full", gm, compiled.__dict__, "runnable",
-                                                 graph_fingerprint(gm), is_whole_graph=True))
+                                                 is_whole_graph=True))
         return compiled
 
     def release(self) -> None:
@@ -204,11 +203,16 @@ class KVGraphBackend:
         return make_piece_compiler(config.piece_compiler, cache, self.counters, patches,
                                    config.on_compile_error, on_build)
 
+    @property
+    def _builds_whole_graph(self) -> bool:
+        """Modes whose only graphs are full ones, or nothing to split at: the whole graph is one
+        piece, attention included."""
+        return self.config.graph_mode.only_full_graphs or not self.config.splitting_ops
+
     def _compile(self, gm: fx.GraphModule, values: list[Any], cache: CompileCache | None,
                  dump: DumpSession) -> Callable:
         config = self.config
-        # Modes whose only graphs are full ones build the whole graph, attention included.
-        if config.graph_mode.only_full_graphs or not config.splitting_ops:
+        if self._builds_whole_graph:
             patches = dict(config.inductor_options)
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)
@@ -251,7 +255,7 @@ class KVGraphBackend:
             # setattr rejects non-Modules; the split module's forward finds it in __dict__.
             split.split_module.__dict__[piece.name] = runnable
             self.pieces.append(CompiledPiece(piece.name, piece.graph_module,
-                                             split.split_module.__dict__, piece.name, fingerprint))
+                                             split.split_module.__dict__, piece.name))
         return split.split_module
 
     def _compile_cache(self, gm: fx.GraphModule, dump: DumpSession) -> CompileCache | None:

@@ -32,7 +32,7 @@ from kvgraph.compilation.trace import CompiledModel, compile_model
 from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.devices import canonical_device
 from kvgraph.errors import CompileError, RunnerError
-from kvgraph.forward_context import BatchDescriptor, set_forward_context
+from kvgraph.forward_context import AttentionProbe, BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.kv_cache.spec import allocate_kv_caches
 from kvgraph.runtime import model_claim
@@ -239,22 +239,30 @@ class ModelRunner:
         return Step(plan, input_ids, positions, metadata,
                     self._buffers.logits_indices[:batch.num_reqs])
 
-    def _run(self, step: Step) -> torch.Tensor:
-        """The forward of `step`, replayed from its graphs when its runtime mode has them."""
+    def _run(self, step: Step, model: Callable | None = None,
+             probe: AttentionProbe | None = None) -> torch.Tensor:
+        """The forward of `step`, replayed from its graphs when its runtime mode has them.
+
+        `model` (default: the compiled model) and `probe` (see ForwardContext) are verify
+        mode's: the model as written, and a recorder of each attention call.
+        """
         mode, descriptor = step.plan.runtime_mode, step.plan.descriptor
-        with self._step_context(step) as forward:
+        with self._step_context(step, model, probe) as forward:
             hidden = (self._graphs.replay(mode, descriptor, step.metadata, forward)
                       if mode.has_graphs else forward())
         self.hidden_states = hidden
         return hidden
 
     @contextlib.contextmanager
-    def _step_context(self, step: Step) -> Iterator[Callable[[], torch.Tensor]]:
+    def _step_context(self, step: Step, model: Callable | None = None,
+                      probe: AttentionProbe | None = None
+                      ) -> Iterator[Callable[[], torch.Tensor]]:
         """The forward context of `step`, and its forward (run, replayed or captured in it)."""
+        model = model or self._forward
         with torch.no_grad(), set_forward_context(step.metadata, step.plan.descriptor,
                                                   self.attn_backend, step.plan.runtime_mode,
-                                                  self._graphs):
-            yield lambda: self._forward(step.input_ids, step.positions)
+                                                  self._graphs, probe):
+            yield lambda: model(step.input_ids, step.positions)
 
     def _capture_or_warn(self, mode: GraphMode, descriptor: BatchDescriptor) -> dict[str, Any]:
         """Capture one descriptor; its row of the capture table (`error` None if it worked)."""

@@ -27,7 +27,7 @@ from kvgraph.errors import VerifyError
 from kvgraph.forward_context import BatchDescriptor
 from kvgraph.runtime.graphs import graph_key
 from kvgraph.runtime.step import Step, StepPlan
-from kvgraph.runtime.verify_locate import difference, locate, run_forward
+from kvgraph.runtime.verify_locate import difference, locate
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class Verifier:
             blocks.write(before)
             eager_step = runner._prepare(plan.batch, GraphMode.NONE,
                                          BatchDescriptor(plan.batch.num_tokens))
-            eager_hidden = run_forward(runner, eager_step, runner.model)
+            eager_hidden = runner._run(eager_step, runner.model)
             eager = runner.model.compute_logits(eager_hidden[eager_step.logits_indices])
             eager_cache = blocks.read()
             tolerance = runner.config.verify_tolerance or default_tolerance(eager.dtype)

@@ -19,7 +19,7 @@ import torch
 
 from kvgraph.attention.layer_base import attention_layers
 from kvgraph.config import GraphMode
-from kvgraph.forward_context import AttentionProbe, BatchDescriptor, set_forward_context
+from kvgraph.forward_context import BatchDescriptor
 
 # The inputs each attention op hands a probe, by name.
 INPUT_NAMES = {"unified_attention": ("query", "key", "value"),
@@ -42,20 +42,6 @@ def difference(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     finite = want[want.isfinite()]
     scale = float(finite.abs().max()) if finite.numel() else 0.0
     return worst, worst / scale if scale else (0.0 if worst == 0 else float("inf"))
-
-
-def run_forward(runner: Any, step: Any, forward: Callable, probe: AttentionProbe | None = None,
-                graphs: bool = False) -> torch.Tensor:
-    """`forward(input_ids, positions)` of `step` in its forward context, with `probe`; replayed
-    from the runner's graphs when `graphs` (the runner's own step context, plus the probe)."""
-    mode, descriptor = step.plan.runtime_mode, step.plan.descriptor
-    graph_set = runner._graphs if graphs else None
-    with torch.no_grad(), set_forward_context(step.metadata, descriptor, runner.attn_backend,
-                                              mode, graph_set, probe):
-        def call() -> torch.Tensor:
-            return forward(step.input_ids, step.positions)
-
-        return graph_set.replay(mode, descriptor, step.metadata, call) if graphs else call()
 
 
 @dataclass
@@ -224,12 +210,12 @@ def locate(runner: Any, plan: Any, blocks: Any, before: list, eager_cache: list,
     log: list = []
 
     def rerun(mode: GraphMode, descriptor: BatchDescriptor, forward: Callable,
-              graphs: bool = False, record: bool = False) -> dict:
+              record: bool = False) -> dict:
         blocks.write(before)
         step = runner._prepare(batch, mode, descriptor)
         probe = Probe(runner.model, n)
         with recording(pieces, probe, shared, log) if record else contextlib.nullcontext():
-            hidden = run_forward(runner, step, forward, probe, graphs)
+            hidden = runner._run(step, forward, probe)  # replayed when `mode` has graphs
         logits = runner.model.compute_logits(hidden[step.logits_indices])
         cache = max((difference(g, w)[1] for g, w in zip(blocks.read(), eager_cache)),
                     default=0.0)
@@ -244,7 +230,7 @@ def locate(runner: Any, plan: Any, blocks: Any, before: list, eager_cache: list,
     if layer is None and max(difference(run["logits"], eager["logits"])[1],
                              run["cache"]) <= tolerance:
         # Compiled without graphs agrees: the graphs themselves are where the runs part.
-        run = rerun(plan.runtime_mode, plan.descriptor, runner._forward, graphs=True)
+        run = rerun(plan.runtime_mode, plan.descriptor, runner._forward)
         # A device's full graph replays attention without Python: no call to compare.
         report["probed"] = bool(run["calls"]) or not eager["calls"]
         layer = (first_divergence(eager["calls"], run["calls"], tolerance)

@@ -54,7 +54,6 @@ class FusedAttentionPlan(AttentionPlan):
     def __init__(self, backend, metadata, descriptor):
         super().__init__(backend, metadata, descriptor)
         self._lengths: tuple[list[int], list[int], torch.Tensor] | None = None
-        self._mask: torch.Tensor | None = None
         self.real_tokens = 0  # the tokens before the dummy request
         self._writes: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -83,11 +82,6 @@ class FusedAttentionPlan(AttentionPlan):
             self._writes = (rows, slots.index_select(0, rows))
         return self._writes
 
-    def mask(self, device: torch.device) -> torch.Tensor:
-        if self._mask is None:
-            self._mask = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8,
-                                               device=device), 1)
-        return self._mask
 
 
 class AscendBackend(AttentionBackend):
@@ -100,6 +94,15 @@ class AscendBackend(AttentionBackend):
 
     def __init__(self):
         self._checked: set[tuple] = set()
+        self._masks: dict[torch.device, torch.Tensor] = {}
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
+        """FIA's compressed causal mask (1 above the diagonal), made once per device: it is the
+        same 4 MiB for every step and layer."""
+        if device not in self._masks:
+            self._masks[device] = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8,
+                                                        device=device), 1)
+        return self._masks[device]
 
     def check_supported(self, query: torch.Tensor, num_kv_heads: int, block_size: int) -> None:
         """Refuse, naming the limit, what FIA does not run (see the module docstring)."""
@@ -138,7 +141,8 @@ class AscendBackend(AttentionBackend):
                                                     "next_tokens": 0}
         result, _ = npu.npu_fused_infer_attention_score(
             query, key_cache.view(num_blocks, block_size, -1),
-            value_cache.view(num_blocks, block_size, -1), atten_mask=plan.mask(query.device),
+            value_cache.view(num_blocks, block_size, -1),
+            atten_mask=self.causal_mask(query.device),
             block_table=table, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens,
             num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
             input_layout="TND", sparse_mode=BAND if window else CAUSAL, block_size=block_size,

@@ -4,17 +4,21 @@ It implements what torch_npu documents for the two calls kvgraph's `ascend` back
 refuses what they refuse, so a backend that calls them wrongly fails here before it reaches an
 NPU (read from op-plugin's docs and vllm-ascend's calls, 2026-12-02):
 - `npu_scatter_pa_kv_cache(..., cache_mode="Norm")`: ND caches `[num_blocks, block_size,
-  num_kv_heads, head_size]`, contiguous inputs, every slot in range (what A2/A3 do with -1 is
-  undocumented, so it is refused here);
+  num_kv_heads, head_size]`, contiguous inputs, slots in range or -1, which writes nothing
+  (vllm-ascend's nightly test on hardware checks it);
 - `npu_fused_infer_attention_score` in `input_layout="TND"` over a paged cache viewed as
   `[num_blocks, block_size, num_kv_heads * head_size]`: `actual_seq_lengths` the cumulative
   query ends (host ints, the last equal to the token count), `actual_seq_lengths_kv` each
   request's key count (>= 1), an int32 block table; `sparse_mode=3` causal from the bottom
   right with the 2048x2048 mask (1 or True above the diagonal); `sparse_mode=4` a band of
   `pre_tokens` keys ending at the query, as vllm-ascend's sliding windows rely on.
+- its `.out` form (`workspace=`, `out=[attention_out, softmax_lse]`) and
+  `_npu_fused_infer_attention_score_get_max_workspace`, which graph task groups use.
 FIA's dtype, head-size and block-size limits are the backend's own check (`check_supported`),
-which the tests relax to run the tiny example models. Install it with `install(monkeypatch)`;
-it records every call in `calls`. The real module is never imported in tests.
+which the tests relax to run the tiny example models. Host lengths go through the graph fake
+(tests/fake_npu_graphs.py), which freezes them in captured graphs. Install it with
+`install(monkeypatch)` (torch.npu too); it records every call in `calls`. The real module is
+never imported in tests.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import types
 from typing import Any
 
 import torch
+
+from tests import fake_npu_graphs
 
 MASK_SIZE = 2048  # the compressed causal mask FIA takes for sparse modes 3 and 4
 calls: list[tuple[str, dict[str, Any]]] = []
@@ -53,17 +59,43 @@ def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
                          f"{tuple(key_cache.shape)} and {slot_mapping.shape[0]} slots")
     slots = slot_mapping.long()
     capacity = key_cache.shape[0] * key_cache.shape[1]
-    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= capacity):
-        raise ValueError(f"npu_scatter_pa_kv_cache: slots must lie in [0, {capacity - 1}]")
+    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= capacity):
+        raise ValueError(f"npu_scatter_pa_kv_cache: slots must be -1 or lie in "
+                         f"[0, {capacity - 1}]")
+    rows = slots >= 0
     for source, cache in ((key, key_cache), (value, value_cache)):
-        cache.view(-1, *cache.shape[2:])[slots] = source.to(cache.dtype)
+        cache.view(-1, *cache.shape[2:])[slots[rows]] = source[rows].to(cache.dtype)
 
 
-def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, block_table=None,
-                                    actual_seq_lengths=None, actual_seq_lengths_kv=None,
-                                    num_heads=1, num_key_value_heads=0, scale=1.0,
-                                    input_layout="BSH", sparse_mode=0, pre_tokens=2147483647,
-                                    next_tokens=2147483647, block_size=0, **unused):
+class HostLengthOp:
+    """An op taking host lengths: called, its result; `.out(..., workspace, out)` writes `out`
+    (and, between graph_task_update_begin/end, only updates its task group)."""
+
+    def __init__(self, name: str, compute):
+        self.__name__, self.compute = name, compute
+
+    def __call__(self, query, key, value, **kwargs):
+        return self.compute(query, key, value, **fake_npu_graphs.host_args(self.__name__, kwargs))
+
+    def out(self, query, key, value, *, workspace, out, **kwargs):
+        if not isinstance(workspace, torch.Tensor) or len(out) != 2:
+            raise TypeError(f"{self.__name__}.out takes a workspace tensor and out=[output, lse]")
+        kwargs = fake_npu_graphs.host_args(self.__name__, kwargs)
+        if kwargs is not None:
+            out[0].copy_(self.compute(query, key, value, **kwargs)[0])
+
+    def max_workspace(self, query, key, value, **kwargs):
+        for name, value in kwargs.items():
+            if name.startswith("actual_seq"):
+                _host_ints(name, value)
+        return torch.empty(16, dtype=torch.uint8)
+
+
+def _fused_infer_attention_score(query, key, value, *, atten_mask=None, block_table=None,
+                                 actual_seq_lengths=None, actual_seq_lengths_kv=None,
+                                 num_heads=1, num_key_value_heads=0, scale=1.0,
+                                 input_layout="BSH", sparse_mode=0, pre_tokens=2147483647,
+                                 next_tokens=2147483647, block_size=0, **unused):
     """Paged attention of TND queries: `(attention_out [T, N, D], softmax_lse)`."""
     if input_layout != "TND" or block_table is None:
         raise ValueError("this fake implements only paged TND attention")
@@ -83,8 +115,9 @@ def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, block
                                   or not torch.equal(atten_mask.bool(),
                                                      compressed_causal_mask().bool())):
         raise ValueError("sparse modes 3 and 4 take the 2048x2048 compressed causal mask")
-    if block_table.dtype != torch.int32:
-        raise TypeError("block_table must be int32")
+    if block_table.dtype != torch.int32 or block_table.shape[0] != len(ends):
+        raise TypeError(f"block_table must be int32 with one row per request ({len(ends)}), "
+                        f"got {block_table.dtype} {tuple(block_table.shape)}")
     calls.append(("npu_fused_infer_attention_score", {
         "ends": ends, "kv_lens": kv_lens, "sparse_mode": sparse_mode, "pre_tokens": pre_tokens,
         "num_tokens": num_tokens}))
@@ -116,11 +149,18 @@ def npu_fused_infer_attention_score(query, key, value, *, atten_mask=None, block
     return out, lse
 
 
+npu_fused_infer_attention_score = HostLengthOp("npu_fused_infer_attention_score",
+                                               _fused_infer_attention_score)
+
+
 def install(monkeypatch) -> types.ModuleType:
     """Put this stand-in in `sys.modules["torch_npu"]` for one test."""
     module = types.ModuleType("torch_npu")
     module.npu_scatter_pa_kv_cache = npu_scatter_pa_kv_cache
     module.npu_fused_infer_attention_score = npu_fused_infer_attention_score
+    module._npu_fused_infer_attention_score_get_max_workspace = (
+        npu_fused_infer_attention_score.max_workspace)
+    module.npu = fake_npu_graphs.install(monkeypatch)
     module.calls = calls
     calls.clear()
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", module)

@@ -43,8 +43,10 @@ class RecordingBackend(TorchNativeBackend):
 
     def after_capture(self, mode, descriptor, metadata):
         self.calls.append(("after_capture", mode, descriptor, id(metadata.plan)))
+        return ("captured", mode, descriptor)
 
-    def before_replay(self, mode, descriptor, metadata):
+    def before_replay(self, mode, descriptor, metadata, captured):
+        assert captured == ("captured", mode, descriptor)  # what after_capture returned for it
         self.calls.append(("before_replay", mode, descriptor, id(metadata.plan)))
 
     def forward(self, query, key, value, kv_cache, out, metadata, *args, **kwargs):

@@ -17,7 +17,6 @@ import kvgraph
 from examples.benchmarks.timing import median_ms, synchronize
 from examples.models.llama import PRESETS, Llama
 
-BLOCK_SIZE = 16
 WARMUP_STEPS = 2  # untimed decode steps before timing (first replays, allocator growth)
 PROFILE_ROWS = 15
 
@@ -50,11 +49,12 @@ def make_runner(args, mode: str, weights: Mapping[str, torch.Tensor]) -> kvgraph
         graph_mode=mode, piece_compiler=args.piece_compiler, max_num_tokens=max_num_tokens,
         **cache,
     )
-    blocks_per_seq = -(-args.max_len // BLOCK_SIZE)
+    block_size = kvgraph.ModelRunner.default_block_size(args.device)  # 16; 128 on an NPU
+    blocks_per_seq = -(-args.max_len // block_size)
     return kvgraph.ModelRunner(model, config, num_blocks=max_batch * blocks_per_seq + 1,
-                               block_size=BLOCK_SIZE, max_num_tokens=max_num_tokens,
+                               block_size=block_size, max_num_tokens=max_num_tokens,
                                max_num_seqs=max_batch, device=args.device,
-                               max_model_len=blocks_per_seq * BLOCK_SIZE,
+                               max_model_len=blocks_per_seq * block_size,
                                attn_backend=args.attn_backend)
 
 
@@ -69,7 +69,7 @@ class Requests:
     """One batch of requests on a runner: prefilled on creation, then advanced greedily."""
 
     def __init__(self, runner: kvgraph.ModelRunner, batch: int, prompt_len: int):
-        blocks_per_seq = runner.limits.max_model_len // BLOCK_SIZE
+        blocks_per_seq = runner.limits.max_model_len // runner.limits.block_size
         self.prompt_len = prompt_len
         self.tokens = prompts(batch, prompt_len, runner.vocab_size)
         self.tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq))

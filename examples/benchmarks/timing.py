@@ -18,8 +18,8 @@ COPY_REPEATS = 10
 
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (nothing to wait for on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    if device.type != "cpu":
+        getattr(torch, device.type).synchronize(device)  # torch.cuda, torch.npu
 
 
 def median_ms(seconds: list[float]) -> float:
@@ -58,7 +58,8 @@ def cpu_name() -> str:
 
 def machine(device: torch.device) -> dict[str, Any]:
     """Where the numbers come from: device name, CPU count, versions, date."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    name = (getattr(torch, device.type).get_device_name(device) if device.type != "cpu"
+            else cpu_name())
     return {"device": name, "platform": platform.platform(), "cpus": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d")}

@@ -49,7 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--max-model-len", type=positive_int,
                        help=f"longest sequence, prompt and output (default: the model's, at most "
                        f"{DEFAULT_MAX_MODEL_LEN})")
-    group.add_argument("--block-size", type=positive_int, default=16, help="tokens per cache block")
+    group.add_argument("--block-size", type=positive_int,
+                       help="tokens per cache block (default: the device's, 16; 128 on an NPU)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
@@ -93,6 +94,8 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
                  ) -> tuple[LLMEngine, dict[str, Any]]:
     """Load, compile and capture: the engine, and a summary of its start-up."""
     start = time.perf_counter()
+    if args.block_size is None:
+        args.block_size = kvgraph.ModelRunner.default_block_size(args.device)
     model, tokenizer = load_model(args, models)
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,

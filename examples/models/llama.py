@@ -40,6 +40,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
         "tie_word_embeddings": False,
     },
+    # The same size with head size 128, which Ascend's fused attention runs (1b's is 64).
+    "1b-hd128": {
+        "vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 8192,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+    },
 }
 
 # HF model types whose config.json this config reads, with what each implies beyond its keys.

@@ -67,6 +67,8 @@ class HostBatch:
             num_prefill_tokens=self.num_tokens - self.num_decode_tokens,
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
+            host_seq_lens=self.seq_lens,
+            host_query_start_loc=self.query_start_loc,
         )
 
 

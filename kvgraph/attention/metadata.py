@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 # Slot id of a token whose key/value must not be written (padding).
@@ -75,6 +76,11 @@ class AttentionMetadata:
     # The attention backend's plan of this step (`AttentionBackend.plan`): made once, read by
     # every layer's op call.
     plan: Any = None
+    # Host copies of `seq_lens` and `query_start_loc` (same rows), for kernels that take host
+    # lengths (Ascend's fused attention): reading the device tensors would sync, and cannot be
+    # captured. None: not kept (a backend that needs them copies the device tensors).
+    host_seq_lens: np.ndarray | None = None
+    host_query_start_loc: np.ndarray | None = None
 
     @property
     def uniform_decode(self) -> bool:

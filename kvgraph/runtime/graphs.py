@@ -98,6 +98,8 @@ class GraphSet:
         self.check_inputs = check_inputs
         self.pool = platform.new_graph_pool()
         self._graphs: dict[GraphKey, dict[GraphWrapper, GraphEntry]] = {}
+        # What the backend's after_capture returned per descriptor, for its before_replay.
+        self._updates: dict[GraphKey, Any] = {}
         self._phase = False
         self._recording: dict[GraphWrapper, GraphEntry] | None = None  # a capture under way
         self._replaying: dict[GraphWrapper, GraphEntry] | None = None
@@ -140,7 +142,7 @@ class GraphSet:
             raise
         finally:
             self._recording = None
-        self.backend.after_capture(mode, descriptor, metadata)
+        self._updates[(mode, descriptor)] = self.backend.after_capture(mode, descriptor, metadata)
         self._graphs[(mode, descriptor)] = recorded
         for entry in recorded.values():
             graph_counters.captures += 1
@@ -155,7 +157,7 @@ class GraphSet:
         if graphs is None:
             raise GraphError(f"no graphs were captured for {graph_key(mode, descriptor)}; "
                              "the dispatcher asks GraphSet.has before choosing graphs")
-        self.backend.before_replay(mode, descriptor, metadata)
+        self.backend.before_replay(mode, descriptor, metadata, self._updates[(mode, descriptor)])
         self._replaying = graphs
         try:
             return forward()
@@ -220,5 +222,6 @@ class GraphSet:
                 entry.graph.reset()
                 graph_counters.graph_bytes -= entry.memory_bytes
         self._graphs.clear()
+        self._updates.clear()
         self.pool = self.platform.new_graph_pool()
 

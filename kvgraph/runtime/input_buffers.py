@@ -111,6 +111,8 @@ class InputBuffers:
             max_query_len=plan.max_query_len,
             max_seq_len=plan.max_seq_len,
             workspace=self.workspace,
+            host_seq_lens=self.host["seq_lens"][:padded_r],
+            host_query_start_loc=self.host["query_start_loc"][:padded_r + 1],
         )
         return self.input_ids[:t], self.positions[:t], metadata
 

@@ -59,7 +59,8 @@ class ModelRunner:
     """Runs one model step by step in the configured graph mode (eager included).
 
     It allocates and binds the model's KV caches (`num_blocks` blocks of `block_size` tokens,
-    in `dtype`, default the model's), keeps persistent inputs for up to `max_num_tokens` tokens
+    default the device's: see `default_block_size`; in `dtype`, default the model's), keeps
+    persistent inputs for up to `max_num_tokens` tokens
     (default: the config's) and `max_num_seqs` requests, compiles the model unless the mode is
     `eager`, and captures graphs keyed by `BatchDescriptor`. `max_model_len` (default: every
     block) bounds one sequence; a full decode device graph of the portable attention backend
@@ -75,18 +76,21 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None, *,
-                 num_blocks: int, block_size: int, max_num_seqs: int,
+                 num_blocks: int, max_num_seqs: int, block_size: int | None = None,
                  max_num_tokens: int | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, max_model_len: int | None = None,
                  attn_backend: str | None = None, vocab_size: int | None = None):
+        self._platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
+        if block_size is None:
+            block_size = self._platform.default_block_size
         check_sizes(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len, vocab_size=vocab_size)
         check_dtype(dtype)
-        self._platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
         check_device(device)
         self.device = canonical_device(device)
         self.attn_backend = attn_backend or self._platform.attention_backend
         self._backend = get_attention_backend(self.attn_backend, self.device)
+        self._backend.check_block_size(block_size)
         config = with_max_num_tokens(config or CompilationConfig(), max_num_tokens)
         self._dump = DumpSession.open(config.debug_dump_path)  # records the warnings below too
         self.config = config.replace(graph_mode=resolve_graph_mode(
@@ -112,6 +116,12 @@ class ModelRunner:
         self.hidden_states: torch.Tensor | None = None
         # Verify mode checks graph steps against eager; off, it is None and costs one check.
         self._verifier = Verifier(self) if self.config.verify else None
+
+    @staticmethod
+    def default_block_size(device: torch.device | str = "cpu") -> int:
+        """Tokens per cache block on `device` when the runner is not told: 16, and 128 on an
+        NPU (what Ascend's fused attention kernels run)."""
+        return get_platform(device).default_block_size
 
     def _bind_caches(self, model: nn.Module, dtype: torch.dtype) -> dict:
         layers = attention_layers(model)

@@ -8,37 +8,46 @@ TND needs the last query end to be the padded token count, so padding tokens for
 request reading one key of block 0, as vllm-ascend pads it (its rows are zeroed). Causality is
 `sparse_mode=3` with FIA's 2048x2048 compressed mask (int8, 1 above the diagonal); a sliding
 window is `sparse_mode=4` with `pre_tokens=window, next_tokens=0`, as vllm-ascend calls it.
-Cache writes are `npu_scatter_pa_kv_cache(cache_mode="Norm")` on the tokens that have a slot
-only: what it does with slot -1 is documented for no A2/A3 kernel, so padding is sliced off
-(and the compile and capture steps' tokens, which write nothing, are left out).
+Cache writes are `npu_scatter_pa_kv_cache(cache_mode="Norm")` on every token: it skips slot -1
+(vllm-ascend's nightly op test checks it on hardware), which is kvgraph's padding rule, so
+nothing is sliced by a host count a captured graph would freeze.
 
 FIA's documented limits are checked once per shape (`check_supported`): fp16/bf16 queries,
-head size 128 (or 192), a block size that is a multiple of 16 up to 1024 (128 is what
-vllm-ascend runs), at most 64 query heads per KV head. The facts were read from op-plugin's
-FIA and scatter docs and vllm-ascend's attention_v1.py (2026-12-02).
+head size 128 (or 192), a block size that is a multiple of 128 up to 512 (what the doc gives
+paged attention; 128 is what vllm-ascend runs and the NPU platform's default), at most 64 query
+heads per KV head. The facts
+were read from op-plugin's FIA, scatter and graph task docs and vllm-ascend's attention_v1.py
+and acl_graph.py (2026-12-02).
 
-The host lengths come from the step's metadata once per step (the plan), a device-to-host copy
-on an NPU. FIA freezes them in a captured graph, so until the replay hook updates them
-(issue 20: graph task updates) this backend runs attention outside graphs (`NEVER`):
-piecewise graphs around it are fine. Standard decoder attention only so far; MLA and
-encoder-only raise. Nothing here has run on Ascend hardware: it is tested against a stand-in
-of torch_npu's documented behaviour (tests/fake_torch_npu.py).
+The host lengths come from the host copies of the step's lengths (no device read), once per
+step (the plan). Every graph mode runs: piecewise graphs leave attention outside them, and in a
+full graph each FIA call is a task group whose lengths are rewritten before each replay
+(kvgraph.attention.backends.ascend_task_groups). Nothing here has run on Ascend hardware: it is
+tested against a stand-in of torch_npu's documented behaviour (tests/fake_torch_npu.py,
+tests/fake_npu_graphs.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvgraph.attention.backends import ascend_task_groups as task_groups
+from kvgraph.attention.backends.ascend_task_groups import CapturedCalls
 from kvgraph.attention.backends.base import AttentionBackend, AttentionPlan, GraphSupport
 from kvgraph.attention.metadata import AttentionMetadata
+from kvgraph.config import GraphMode
+from kvgraph.errors import ConfigError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_SIZES = (128, 192)
-MAX_BLOCK_SIZE = 1024
+BLOCK_SIZE_STEP = 128  # paged FIA: block sizes 128 to 512 in steps of 128 (op-plugin's FIA doc)
+MAX_BLOCK_SIZE = 512
 MAX_GROUP = 64  # query heads per KV head
 CAUSAL = 3  # FIA sparse_mode: causal, each request's queries aligned to its last keys
 BAND = 4  # FIA sparse_mode: causal within `pre_tokens` keys back (a sliding window)
 MASK_SIZE = 2048  # FIA's compressed mask for sparse modes 3 and 4
+NO_LIMIT = 2147483647  # FIA's pre_tokens/next_tokens default: no band
+FIA_LENGTHS = ("actual_seq_lengths", "actual_seq_lengths_kv")  # FIA v1's host length arguments
 
 
 def torch_npu():
@@ -49,52 +58,82 @@ def torch_npu():
 
 
 class FusedAttentionPlan(AttentionPlan):
-    """One step's host lengths for FIA, read once from the metadata and shared by every layer."""
+    """One step's host lengths for FIA, read once from the host copies and shared by every
+    layer; the device tensors derived from them are made inside the forward, so that a
+    captured graph records them."""
 
     def __init__(self, backend, metadata, descriptor):
         super().__init__(backend, metadata, descriptor)
-        self._lengths: tuple[list[int], list[int], torch.Tensor] | None = None
-        self.real_tokens = 0  # the tokens before the dummy request
-        self._writes: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.num_tokens = metadata.slot_mapping.shape[0]  # padded
+        rows = metadata.block_table.shape[0]
+        starts = _host(metadata.host_query_start_loc, metadata.query_start_loc)[:rows + 1]
+        kv_lens = _host(metadata.host_seq_lens, metadata.seq_lens)[:rows]
+        # Padded request rows have no key; FIA wants one, which row 0 of block 0 provides.
+        self._request_lengths = ([int(end) for end in starts[1:]],
+                                 [max(int(n), 1) for n in kv_lens])
+        self.full_graph = False  # set by the graph hooks (see `host_lengths`)
+        self.capture: CapturedCalls | None = None  # a full graph's calls, while captured
+        self._lengths: tuple[list[int], list[int]] | None = None
+        self._table: torch.Tensor | None = None
+        self._padding: torch.Tensor | None = None
 
-    def lengths(self, num_tokens: int) -> tuple[list[int], list[int], torch.Tensor]:
-        """Cumulative query ends, key counts and the block table, padded with the dummy request
-        when padding tokens follow the real ones."""
+    def host_lengths(self) -> tuple[list[int], list[int]]:
+        """FIA's `actual_seq_lengths` (cumulative query ends) and `actual_seq_lengths_kv`.
+
+        TND wants the last end to be the padded token count: padding tokens after the
+        requests form one dummy request reading one key. A full graph's calls have a fixed
+        request count (they are updated in place), so there the dummy is there whenever the
+        descriptor's rows cannot own every token, possibly with no token of its own.
+        """
         if self._lengths is None:
-            metadata = self.metadata
-            reqs = metadata.num_reqs
-            ends = metadata.query_start_loc[1:reqs + 1].tolist()
-            kv_lens = metadata.seq_lens[:reqs].tolist()
-            table = metadata.block_table[:reqs]
-            self.real_tokens = ends[-1]
-            if ends[-1] < num_tokens:  # padding tokens: one request reading one key of block 0
-                ends.append(num_tokens)
+            ends, kv_lens = (list(values) for values in self._request_lengths)
+            rows = len(ends)
+            if (rows < self.num_tokens) if self.full_graph else ends[-1] < self.num_tokens:
+                ends.append(self.num_tokens)
                 kv_lens.append(1)
-                table = torch.cat([table, torch.zeros_like(table[:1])])
-            self._lengths = (ends, kv_lens, table.to(torch.int32))
+            self._lengths = ends, kv_lens
         return self._lengths
 
-    def writes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tokens that write the cache (those with a slot) and their slots."""
-        if self._writes is None:
-            slots = self.metadata.slot_mapping[:self.metadata.num_actual_tokens]
-            rows = torch.nonzero(slots >= 0).flatten()
-            self._writes = (rows, slots.index_select(0, rows))
-        return self._writes
+    def block_table(self) -> torch.Tensor:
+        """The int32 block table of `host_lengths`' requests (the dummy's row reads block 0)."""
+        if self._table is None:
+            table = self.metadata.block_table
+            if len(self.host_lengths()[0]) > table.shape[0]:
+                table = torch.cat([table, torch.zeros_like(table[:1])])
+            self._table = table
+        return self._table
 
+    def padding(self) -> torch.Tensor:
+        """`[T, 1, 1]`, True on padding tokens (slot -1): their rows of `out` become zeros.
+
+        A mask on the device, not a host count: a captured graph replays it for every batch.
+        """
+        if self._padding is None:
+            self._padding = (self.metadata.slot_mapping < 0)[:, None, None]
+        return self._padding
+
+
+def _runs_block_size(block_size: int) -> bool:
+    return block_size % BLOCK_SIZE_STEP == 0 and block_size <= MAX_BLOCK_SIZE
+
+
+def _host(array, tensor: torch.Tensor):
+    """A length array's host copy, or (metadata without one) the device tensor read back."""
+    return array if array is not None else tensor.tolist()
 
 
 class AscendBackend(AttentionBackend):
     """torch_npu's fused attention over the paged cache (see the module docstring)."""
 
     name = "ascend"
-    graph_support = GraphSupport.NEVER
+    graph_support = GraphSupport.ALWAYS  # full graphs' host lengths are updated per replay
     device_types = ("npu",)
     plan_class = FusedAttentionPlan
 
     def __init__(self):
         self._checked: set[tuple] = set()
         self._masks: dict[torch.device, torch.Tensor] = {}
+        self._update_streams: dict[torch.device, object] = {}
 
     def causal_mask(self, device: torch.device) -> torch.Tensor:
         """FIA's compressed causal mask (1 above the diagonal), made once per device: it is the
@@ -114,8 +153,8 @@ class AscendBackend(AttentionBackend):
             (query.dtype not in SUPPORTED_DTYPES, f"dtype {query.dtype} (fp16 or bf16)"),
             (head_size not in SUPPORTED_HEAD_SIZES, f"head size {head_size} "
                                                     f"({' or '.join(map(str, SUPPORTED_HEAD_SIZES))})"),
-            (block_size % 16 or block_size > MAX_BLOCK_SIZE,
-             f"block size {block_size} (a multiple of 16 up to {MAX_BLOCK_SIZE}; 128 advised)"),
+            (not _runs_block_size(block_size),
+             f"block size {block_size} (a multiple of {BLOCK_SIZE_STEP} up to {MAX_BLOCK_SIZE})"),
             (group > MAX_GROUP, f"{group} query heads per KV head (at most {MAX_GROUP})"),
         ]
         bad = [what for wrong, what in problems if wrong]
@@ -124,28 +163,74 @@ class AscendBackend(AttentionBackend):
                              f"cannot run {', '.join(bad)}; use attn_backend='torch_native'")
         self._checked.add(signature)
 
+    def check_block_size(self, block_size: int) -> None:
+        if not _runs_block_size(block_size):
+            raise ConfigError("block_size", f"attention backend {self.name!r} (torch_npu's fused "
+                              f"attention) runs block sizes that are multiples of "
+                              f"{BLOCK_SIZE_STEP} up to {MAX_BLOCK_SIZE} (128, the NPU default, "
+                              f"is what vllm-ascend runs), got {block_size}")
+
+    # --- graph hooks: FIA's host lengths in full graphs --------------------------------------
+
+    def before_capture(self, mode, descriptor, metadata):
+        plan = self.step_plan(metadata)
+        plan.full_graph = mode is GraphMode.FULL
+        plan.capture = CapturedCalls() if plan.full_graph else None
+
+    def after_capture(self, mode, descriptor, metadata) -> CapturedCalls | None:
+        plan = self.step_plan(metadata)
+        captured, plan.capture = plan.capture, None
+        return captured
+
+    def before_replay(self, mode, descriptor, metadata, captured=None):
+        plan = self.step_plan(metadata)
+        plan.full_graph = mode is GraphMode.FULL
+        if captured:
+            device = captured.calls[0].out[0].device
+            task_groups.update(torch.npu, torch_npu(), captured, self._update_stream(device),
+                               plan.host_lengths)
+
+    def _update_stream(self, device: torch.device):
+        """The side stream updates are issued on (one per device: updates never overlap)."""
+        if device not in self._update_streams:
+            self._update_streams[device] = torch.npu.Stream(device=device)
+        return self._update_streams[device]
+
+    def launch(self, plan: FusedAttentionPlan, op_name: str, kwargs: dict,
+               length_names: tuple[str, str], out: torch.Tensor) -> None:
+        """`torch_npu.<op_name>(**kwargs)` with this step's host lengths (under the op's
+        `length_names` for query ends and key counts), its attention output written into `out`.
+
+        In a full-graph capture the call becomes a task group whose lengths `before_replay`
+        rewrites (kvgraph.attention.backends.ascend_task_groups).
+        """
+        lengths = dict(zip(length_names, plan.host_lengths()))
+        if plan.capture is not None:
+            lse = torch.empty(1, dtype=out.dtype, device=out.device)  # softmax_lse_flag off
+            task_groups.capture_call(torch.npu, torch_npu(), plan.capture, op_name, kwargs,
+                                     lengths, [out, lse])
+            return
+        out.copy_(getattr(torch_npu(), op_name)(**kwargs, **lengths)[0])
+
+    # --- kernels ----------------------------------------------------------------------------
+
     def forward(self, query, key, value, kv_cache, out, metadata: AttentionMetadata, scale,
                 sliding_window, write_kv=True):
-        npu = torch_npu()
         key_cache, value_cache = kv_cache
         self.check_supported(query, key_cache.shape[2], key_cache.shape[1])
         plan = self.step_plan(metadata)
-        rows, slots = plan.writes()
-        if write_kv and rows.numel():
-            npu.npu_scatter_pa_kv_cache(key.index_select(0, rows), value.index_select(0, rows),
-                                        key_cache, value_cache, slots, cache_mode="Norm")
-        num_tokens, num_heads, head_size = query.shape
-        ends, kv_lens, table = plan.lengths(num_tokens)
+        if write_kv:  # slot -1 (padding, and the compile and capture steps) writes nothing
+            torch_npu().npu_scatter_pa_kv_cache(key.contiguous(), value.contiguous(), key_cache,
+                                                value_cache, metadata.slot_mapping,
+                                                cache_mode="Norm")
         num_blocks, block_size, num_kv_heads, _ = key_cache.shape
-        window = {} if sliding_window is None else {"pre_tokens": sliding_window,
-                                                    "next_tokens": 0}
-        result, _ = npu.npu_fused_infer_attention_score(
-            query, key_cache.view(num_blocks, block_size, -1),
-            value_cache.view(num_blocks, block_size, -1),
-            atten_mask=self.causal_mask(query.device),
-            block_table=table, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens,
-            num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
-            input_layout="TND", sparse_mode=BAND if window else CAUSAL, block_size=block_size,
-            **window)
-        out.copy_(result)
-        out[plan.real_tokens:].zero_()  # the dummy request's rows: padding attends to nothing
+        kwargs = dict(
+            query=query, key=key_cache.view(num_blocks, block_size, -1),
+            value=value_cache.view(num_blocks, block_size, -1),
+            atten_mask=self.causal_mask(query.device), block_table=plan.block_table(),
+            input_layout="TND", block_size=block_size, num_heads=query.shape[1],
+            num_key_value_heads=num_kv_heads, scale=scale,
+            sparse_mode=BAND if sliding_window else CAUSAL,
+            pre_tokens=sliding_window or NO_LIMIT, next_tokens=0 if sliding_window else NO_LIMIT)
+        self.launch(plan, "npu_fused_infer_attention_score", kwargs, FIA_LENGTHS, out)
+        out.masked_fill_(plan.padding(), 0)  # the dummy request's rows: padding attends to none

@@ -8,8 +8,8 @@ A step, as the runner drives it:
      launch parameters or token layouts per layer;
   3. the graph owner (`kvgraph.runtime.graphs.GraphSet`) calls `before_capture` and
      `after_capture` around the capture of a descriptor, and `before_replay` before each step
-     it replays; a backend whose kernels take host-side lengths (Ascend's fused attention)
-     rewrites them in its captured kernels there;
+     it replays, with what `after_capture` returned; a backend whose kernels take host-side
+     lengths (Ascend's fused attention) rewrites them in its captured kernels there;
   4. `forward`, `forward_mla` or `forward_encoder` once per layer.
 The ops call nothing else.
 """
@@ -17,7 +17,7 @@ The ops call nothing else.
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,6 +66,9 @@ class AttentionBackend:
     device_types: tuple[str, ...] | None = None
     plan_class: type[AttentionPlan] = AttentionPlan
 
+    def check_block_size(self, block_size: int) -> None:
+        """Refuse, with a ConfigError naming the limit, a block size the kernels cannot run."""
+
     # --- the step ---------------------------------------------------------------------------
 
     def frozen_lengths(self, descriptor: BatchDescriptor, batch: StepLengths,
@@ -100,12 +103,18 @@ class AttentionBackend:
         """Before the forward that captures `descriptor`'s graphs in runtime `mode`."""
 
     def after_capture(self, mode: GraphMode, descriptor: BatchDescriptor,
-                      metadata: AttentionMetadata) -> None:
-        """After every graph of `descriptor` was captured (not called when capture failed)."""
+                      metadata: AttentionMetadata) -> Any:
+        """After every graph of `descriptor` was captured (not called when capture failed).
+
+        What it returns is kept with those graphs, freed with them, and handed to every
+        `before_replay` of them: what the backend needs to update its captured kernels.
+        """
+        return None
 
     def before_replay(self, mode: GraphMode, descriptor: BatchDescriptor,
-                      metadata: AttentionMetadata) -> None:
-        """Before a step replays `descriptor`'s graphs, with that step's metadata."""
+                      metadata: AttentionMetadata, captured: Any = None) -> None:
+        """Before a step replays `descriptor`'s graphs, with that step's metadata and what
+        `after_capture` returned for them."""
 
     # --- kernels ----------------------------------------------------------------------------
 

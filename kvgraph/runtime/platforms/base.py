@@ -126,6 +126,7 @@ class Platform(Protocol):
     name: str
     device_type: str
     attention_backend: str  # the default attention backend's name
+    default_block_size: int  # tokens per cache block when the runner is not told
     needs_warmup: bool  # whether a batch must run once before it is captured
     # Whether a graph freezes the host ints attention's shapes depend on (`max_seq_len`): a
     # device graph does; the CPU graph reruns Python on replay.
@@ -152,22 +153,26 @@ class StreamPlatform:
     """A platform over a torch device module with the CUDA graph API (`torch.cuda`, `torch.npu`).
 
     `module` provides `graph`, `graph_pool_handle`, `synchronize` and `memory_snapshot`;
-    `graph_class` is its graph type (`CUDAGraph`, `NPUGraph`).
+    `graph_class` is its graph type (`CUDAGraph`, `NPUGraph`); `stream_graph` the StreamGraph
+    (sub)class that captures and replays them.
     """
 
     needs_warmup = True  # first runs initialise kernels and handles that capture cannot
     freezes_shapes = True
 
     def __init__(self, name: str, module: Any, graph_class: Callable[[], Any],
-                 attention_backend: str = "torch_native"):
+                 attention_backend: str = "torch_native", default_block_size: int = 16,
+                 stream_graph: type[StreamGraph] = StreamGraph):
         self.name = self.device_type = name
         self.module, self.graph_class = module, graph_class
         self.attention_backend = attention_backend
+        self.default_block_size = default_block_size
+        self.stream_graph = stream_graph
 
     def make_graph(self, check_inputs: bool, name: str = "graph", last: bool = False
                    ) -> StreamGraph:
-        return StreamGraph(self.graph_class(), self.module.graph, self.pool_bytes, check_inputs,
-                           f"{self.name}-graph {name}", last)
+        return self.stream_graph(self.graph_class(), self.module.graph, self.pool_bytes,
+                                 check_inputs, f"{self.name}-graph {name}", last)
 
     @contextlib.contextmanager
     def capture_phase(self) -> Iterator[None]:

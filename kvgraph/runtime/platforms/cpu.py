@@ -113,6 +113,7 @@ class CPUPlatform:
     name = "cpu"
     device_type = "cpu"
     attention_backend = "torch_native"
+    default_block_size = 16
     needs_warmup = False
     freezes_shapes = False  # a replay reruns Python: attention reads only a batch's real keys
 

@@ -116,8 +116,11 @@ class CompilationConfig:
     `capture_sizes` None means the default list (see `capture_size_list`); an empty one is
     allowed only where no graphs are captured (graph_mode "eager" or "none").
     `compile_sizes` get a static build each; other sizes run the general (dynamic) build.
-    `on_compile_error`: what a piece that inductor fails to build does ("eager": runs uncompiled,
-    with a warning; "raise": the error propagates).
+    `piece_compiler`: what builds each piece: "inductor" (its builds kept in the compile cache),
+    "eager" (the traced FX code), or on Ascend NPUs "npugraph_ex" or "torchair" (torch_npu's
+    compilers, imported only when chosen; nothing of theirs is cached).
+    `on_compile_error`: what a piece that its piece compiler fails to build does ("eager": runs
+    uncompiled, with a warning; "raise": the error propagates).
     `verify`: the ModelRunner also runs the first step of each descriptor that runs on graphs
     (and every `verify_every`-th step, 0 for none) eagerly on a copy of its cache blocks and
     compares logits and cache writes; a difference above `verify_tolerance` (relative to the

@@ -10,8 +10,9 @@ from typing import Any, Callable
 from kvgraph.errors import ConfigError
 from passes import REGISTERED_PASSES
 
-PIECE_COMPILERS = ("inductor", "eager")
-# What happens to a piece inductor fails to build: run it uncompiled (with a warning), or raise.
+# npugraph_ex, torchair: Ascend NPUs, via torch_npu (kvgraph/compilation/npu_piece_compilers.py).
+PIECE_COMPILERS = ("inductor", "eager", "npugraph_ex", "torchair")
+# What happens to a piece that fails to build: run it uncompiled (with a warning), or raise.
 ON_COMPILE_ERROR = ("eager", "raise")
 # What a verify step that finds graphs and eager apart does: log a warning, or raise.
 VERIFY_ACTIONS = ("warn", "raise")

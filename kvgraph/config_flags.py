@@ -49,8 +49,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--piece-compiler", choices=PIECE_COMPILERS,
                        help="what compiles the pieces between attention ops")
     group.add_argument("--on-compile-error", choices=ON_COMPILE_ERROR,
-                       help="a piece inductor fails to build: run it uncompiled (eager, the "
-                            "default, with a warning) or raise")
+                       help="a piece its compiler fails to build: run it uncompiled (eager, "
+                            "the default, with a warning) or raise")
     group.add_argument("--compile-cache-dir", help="where compiled artifacts are kept")
     group.add_argument("--compile-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse compiled artifacts across processes (default on)")

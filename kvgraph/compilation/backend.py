@@ -28,6 +28,7 @@ from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.debug import DumpSession
 from kvgraph.compilation.graph_wrapper import GraphWrapper
 from kvgraph.compilation.graph_report import node_signatures, node_table, pass_summary, split_report
+from kvgraph.compilation.npu_piece_compilers import NPU_PIECE_COMPILERS, why_not_cached
 from kvgraph.compilation.piece_compiler import BuildRecord, PieceCompiler, make_piece_compiler
 from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
 from kvgraph.config import CompilationConfig, GraphMode, without_pieces
@@ -286,6 +287,8 @@ class KVGraphBackend:
 def _why_no_cache(config: CompilationConfig) -> str:
     if not config.use_compile_cache:
         return "use_compile_cache is off"
+    if config.piece_compiler in NPU_PIECE_COMPILERS:
+        return why_not_cached(config.piece_compiler)
     return f"piece_compiler {config.piece_compiler!r} builds nothing to keep"
 
 

@@ -1,4 +1,5 @@
-"""What turns one FX graph piece into a callable: inductor (cached on disk) or nothing (eager)."""
+"""What turns one FX graph piece into a callable: inductor (cached on disk), nothing (eager), or
+torch_npu's compilers (kvgraph/compilation/npu_piece_compilers.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ T = TypeVar("T")
 class BuildRecord:
     """One build of one piece, as the debug dump reports it.
 
-    `outcome`: "built" (inductor compiled it), "loaded" (a compile-cache hit), "fallback"
-    (inductor failed: the FX code runs) or "uncompiled" (the eager piece compiler). `code` is
-    inductor's output code for a build (a cache hit keeps none), else the FX code that runs;
+    `outcome`: "built" (the piece compiler compiled it), "loaded" (a compile-cache hit),
+    "fallback" (the build failed: the FX code runs) or "uncompiled" (the eager piece compiler).
+    `code` is inductor's output code for its builds (a cache hit, or an NPU compiler's build,
+    keeps none), else the FX code that runs;
     `why` says why a build missed the cache, or why it fell back.
     """
 
@@ -154,6 +156,12 @@ class InductorPieceCompiler:
 def make_piece_compiler(name: str, cache: CompileCache | None, counters: CompileCounters,
                         config_patches: dict[str, Any] | None = None, on_error: str = "eager",
                         on_build: BuildObserver = _ignore) -> PieceCompiler:
+    """The piece compiler the config's `piece_compiler` names (an NPU one imports torch_npu)."""
     if name == "eager":
         return EagerPieceCompiler(on_build)
-    return InductorPieceCompiler(cache, counters, config_patches, on_error, on_build)
+    if name == "inductor":
+        return InductorPieceCompiler(cache, counters, config_patches, on_error, on_build)
+    # Imported here: that module builds on this one.
+    from kvgraph.compilation.npu_piece_compilers import NpuPieceCompiler
+
+    return NpuPieceCompiler(name, counters, config_patches, on_error, on_build)

@@ -31,30 +31,27 @@ from __future__ import annotations
 
 import torch
 
+from kvgraph.attention.backends import ascend_mla
 from kvgraph.attention.backends import ascend_task_groups as task_groups
+from kvgraph.attention.backends.ascend_ops import (
+    BAND,
+    CAUSAL,
+    MASK_SIZE,
+    NO_LIMIT,
+    SUPPORTED_DTYPES,
+    torch_npu,
+)
 from kvgraph.attention.backends.ascend_task_groups import CapturedCalls
 from kvgraph.attention.backends.base import AttentionBackend, AttentionPlan, GraphSupport
 from kvgraph.attention.metadata import AttentionMetadata
 from kvgraph.config import GraphMode
 from kvgraph.errors import ConfigError
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_SIZES = (128, 192)
 BLOCK_SIZE_STEP = 128  # paged FIA: block sizes 128 to 512 in steps of 128 (op-plugin's FIA doc)
 MAX_BLOCK_SIZE = 512
 MAX_GROUP = 64  # query heads per KV head
-CAUSAL = 3  # FIA sparse_mode: causal, each request's queries aligned to its last keys
-BAND = 4  # FIA sparse_mode: causal within `pre_tokens` keys back (a sliding window)
-MASK_SIZE = 2048  # FIA's compressed mask for sparse modes 3 and 4
-NO_LIMIT = 2147483647  # FIA's pre_tokens/next_tokens default: no band
 FIA_LENGTHS = ("actual_seq_lengths", "actual_seq_lengths_kv")  # FIA v1's host length arguments
-
-
-def torch_npu():
-    """torch_npu, imported only when this backend runs (see kvgraph/runtime/platforms/npu.py)."""
-    import torch_npu as module
-
-    return module
 
 
 class FusedAttentionPlan(AttentionPlan):
@@ -234,3 +231,21 @@ class AscendBackend(AttentionBackend):
             pre_tokens=sliding_window or NO_LIMIT, next_tokens=0 if sliding_window else NO_LIMIT)
         self.launch(plan, "npu_fused_infer_attention_score", kwargs, FIA_LENGTHS, out)
         out.masked_fill_(plan.padding(), 0)  # the dummy request's rows: padding attends to none
+
+    def check_supported_mla(self, q_latent, q_pe, kv_c_cache) -> None:
+        """Refuse, naming the limit, what FIA's MLA kernel does not run (ascend_mla)."""
+        ascend_mla.check_supported_mla(q_latent, q_pe, kv_c_cache)
+
+    def check_supported_encoder(self, query) -> None:
+        """Refuse, naming the limit, what npu_fusion_attention does not run (ascend_mla)."""
+        ascend_mla.check_supported_encoder(query)
+
+    def forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale,
+                    write_kv=True):
+        self.check_supported_mla(q_latent, q_pe, kv_cache[0])
+        ascend_mla.forward_mla(self, q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale,
+                               write_kv)
+
+    def forward_encoder(self, query, key, value, out, metadata, scale, sliding_window=None):
+        self.check_supported_encoder(query)
+        ascend_mla.forward_encoder(self, query, key, value, out, metadata, scale, sliding_window)

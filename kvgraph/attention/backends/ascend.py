@@ -15,9 +15,8 @@ nothing is sliced by a host count a captured graph would freeze.
 FIA's documented limits are checked once per shape (`check_supported`): fp16/bf16 queries,
 head size 128 (or 192), a block size that is a multiple of 128 up to 512 (what the doc gives
 paged attention; 128 is what vllm-ascend runs and the NPU platform's default), at most 64 query
-heads per KV head. The facts
-were read from op-plugin's FIA, scatter and graph task docs and vllm-ascend's attention_v1.py
-and acl_graph.py (2026-12-02).
+heads per KV head. The facts were read from op-plugin's FIA, scatter and graph task docs and
+vllm-ascend's attention_v1.py and acl_graph.py (2026-12-02).
 
 The host lengths come from the host copies of the step's lengths (no device read), once per
 step (the plan). Every graph mode runs: piecewise graphs leave attention outside them, and in a

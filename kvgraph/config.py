@@ -126,6 +126,9 @@ class CompilationConfig:
     compares logits and cache writes; a difference above `verify_tolerance` (relative to the
     logits' scale; None: by dtype) is a warning or, with `verify_action="raise"`, a VerifyError.
     Off, it costs nothing.
+    `check_rank_agreement`: under tensor parallelism, each step's descriptor is checked to be
+    the same on every rank before it runs (a host exchange per step; debugging). Captures are
+    always checked.
     """
 
     graph_mode: GraphMode = GraphMode.PIECEWISE
@@ -141,6 +144,7 @@ class CompilationConfig:
     debug_dump_path: str | None = None
     check_guards: bool = False
     check_graph_inputs: bool = False
+    check_rank_agreement: bool = False
     on_compile_error: str = "eager"
     verify: bool = False
     verify_every: int = 0
@@ -238,6 +242,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "debug_dump_path": checks.optional(checks.dump_dir),
     "check_guards": checks.check_bool,
     "check_graph_inputs": checks.check_bool,
+    "check_rank_agreement": checks.check_bool,
     "on_compile_error": checks.choice(ON_COMPILE_ERROR),
     "verify": checks.check_bool,
     "verify_every": checks.non_negative_int,

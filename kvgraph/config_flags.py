@@ -24,6 +24,7 @@ _CLI_FIELDS = {
     "debug_dump_path": "debug_dump_path",
     "check_guards": "check_guards",
     "check_graph_inputs": "check_graph_inputs",
+    "check_rank_agreement": "check_rank_agreement",
     "on_compile_error": "on_compile_error",
     "verify": "verify",
     "verify_every": "verify_every",
@@ -59,6 +60,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="re-check Dynamo guards on every call (debugging)")
     group.add_argument("--check-graph-inputs", action="store_true", default=None,
                        help="check on every replay that graph inputs did not move (debugging)")
+    group.add_argument("--check-rank-agreement", action="store_true", default=None,
+                       help="under tensor parallelism, check every step's batch descriptor is "
+                            "the same on all ranks (debugging)")
     group.add_argument("--verify", action="store_true", default=None,
                        help="check graphs against eager on the first step of each descriptor")
     group.add_argument("--verify-every", type=int,

@@ -55,6 +55,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "debug_dump_path": lambda t: t or None,
     "check_guards": _parse_bool,
     "check_graph_inputs": _parse_bool,
+    "check_rank_agreement": _parse_bool,
     "verify": _parse_bool,
     "verify_every": int,
     "verify_tolerance": lambda t: float(t) if t.strip() else None,

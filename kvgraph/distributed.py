@@ -16,9 +16,9 @@ captured graph replays them. `all_reduce` is the one seam for another implementa
 (vLLM wraps its all-reduce in an op of its own to choose, at run time, between NCCL and a
 custom one-shot kernel): models call it, never torch's collectives directly.
 
-kvgraph's own agreement checks (see kvgraph/runtime/rank_agreement.py) run on a gloo group over
-the same ranks (the TP group itself when it is gloo), created with `timeout_s`, so a rank that
-fails or diverges is reported, never waited on forever.
+kvgraph's own agreement checks (see kvgraph/runtime/rank_agreement.py) run on a gloo group of
+their own over the same ranks, created with `timeout_s`, so a rank that fails or diverges is
+reported, never waited on forever.
 """
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from kvgraph.errors import ConfigError
+from kvgraph.errors import ConfigError, GraphError
 
 logger = logging.getLogger(__name__)
 
+# The first NCCL whose collectives a CUDA graph can capture: with older ones the capture may
+# succeed and the replay hang.
+MIN_CAPTURABLE_NCCL = (2, 9, 6)
 # Seconds kvgraph's own collectives (agreement checks) wait for a peer before failing.
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -44,8 +47,9 @@ class TensorParallelGroup:
     """The ranks one model is sharded over: this process's `rank` among `world_size`.
 
     `group` is None at size 1 (no torch.distributed). `cpu_group` is a gloo group over the same
-    ranks for kvgraph's host-side checks, made on first use (every rank must ask for it at the
-    same point: making a group is itself collective).
+    ranks for kvgraph's host-side checks, made on first use: making a group is itself
+    collective, so every rank of torch.distributed's default group asks for it at the same
+    point (a ModelRunner does, when it is built).
     """
 
     group: dist.ProcessGroup | None
@@ -56,22 +60,32 @@ class TensorParallelGroup:
 
     @property
     def cpu_group(self) -> dist.ProcessGroup | None:
-        """A gloo group over the TP ranks (None at size 1), for objects and agreement checks."""
+        """A gloo group of its own over the TP ranks (None at size 1), for kvgraph's host-side
+        exchanges: never the TP group itself, so an exchange cannot be mistaken for a model
+        collective by a rank that is one step behind."""
         if self.group is None:
             return None
         if not self._cpu_group:
-            if dist.get_backend(self.group) == "gloo":
-                self._cpu_group.append(self.group)
-            else:
-                ranks = dist.get_process_group_ranks(self.group)
-                self._cpu_group.append(dist.new_group(
-                    ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s)))
+            ranks = dist.get_process_group_ranks(self.group)
+            self._cpu_group.append(dist.new_group(
+                ranks, backend="gloo", timeout=timedelta(seconds=self.timeout_s)))
         return self._cpu_group[0]
 
     @property
     def backend(self) -> str | None:
         """The group's torch.distributed backend ("nccl", "hccl", "gloo"), None at size 1."""
         return None if self.group is None else str(dist.get_backend(self.group))
+
+    def check_capturable(self) -> None:
+        """Raise GraphError if the group's collectives cannot be captured in a device graph."""
+        if self.backend != "nccl":
+            return
+        version = tuple(torch.cuda.nccl.version())
+        if version < MIN_CAPTURABLE_NCCL:
+            raise GraphError(
+                f"NCCL {'.'.join(map(str, version))} cannot be captured in CUDA graphs (a "
+                f"captured collective may hang on replay); NCCL >= "
+                f"{'.'.join(map(str, MIN_CAPTURABLE_NCCL))} is needed, or graph_mode='none'")
 
     def describe(self) -> str:
         return (f"rank {self.rank} of {self.world_size}" +

@@ -1,6 +1,7 @@
 """FX graph passes for kvgraph: pure FX -> FX functions that know op names and nothing else."""
 
 from passes.attention_inplace import InplaceAttentionPass, inplace_attention
+from passes.collectives import CollectiveWaitError
 from passes.noop_elimination import noop_elimination
 from passes.op_match import is_op_call, op_name
 from passes.pass_manager import GraphPass, PassManager
@@ -11,6 +12,7 @@ REGISTERED_PASSES = {"noop_elimination": GraphPass("noop_elimination", noop_elim
 
 __all__ = [
     "REGISTERED_PASSES",
+    "CollectiveWaitError",
     "GraphPass",
     "InplaceAttentionPass",
     "PassManager",

@@ -9,6 +9,8 @@ from typing import Callable, Sequence
 
 from torch import fx
 
+from passes.collectives import check_waits_kept, wait_signature
+
 PassFn = Callable[[fx.GraphModule], None]
 PassObserver = Callable[[str, fx.GraphModule], None]
 
@@ -27,14 +29,20 @@ class GraphPass:
 
 
 class PassManager:
-    """Runs passes in order; `observer(name, gm)` sees the graph after each (for debug dumps)."""
+    """Runs passes in order; `observer(name, gm)` sees the graph after each (for debug dumps).
+
+    A pass that drops, adds or re-points a collective's `wait_tensor` is an error
+    (CollectiveWaitError), raised right after it.
+    """
 
     def __init__(self, passes: Sequence[GraphPass]):
         self.passes = tuple(passes)
 
     def __call__(self, gm: fx.GraphModule, observer: PassObserver | None = None) -> fx.GraphModule:
         for graph_pass in self.passes:
+            waits = wait_signature(gm)
             graph_pass.fn(gm)
+            check_waits_kept(waits, gm, graph_pass.name)
             gm.graph.lint()
             gm.recompile()
             if observer is not None:

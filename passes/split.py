@@ -9,6 +9,7 @@ from typing import Callable, Collection
 from torch import fx
 from torch.fx.passes.split_module import split_module
 
+from passes.collectives import keep_waits_with_collectives
 from passes.op_match import is_op_call
 
 
@@ -28,7 +29,11 @@ class SplitGraph:
 
 
 def split_at_attention(gm: fx.GraphModule, op_names: Collection[str]) -> SplitGraph:
-    """Split `gm` so every call of an op in `op_names` is a piece of its own."""
+    """Split `gm` so every call of an op in `op_names` is a piece of its own.
+
+    A collective's `wait_tensor` goes with the collective: into its piece, or, when the
+    collective is one of `op_names`, into that op's piece.
+    """
     partition_of: dict[fx.Node, int] = {}
     partition = 0
     for node in gm.graph.nodes:
@@ -40,6 +45,7 @@ def split_at_attention(gm: fx.GraphModule, op_names: Collection[str]) -> SplitGr
             partition += 1
         else:
             partition_of[node] = partition
+    keep_waits_with_collectives(partition_of)
 
     # Every piece returns a tuple, as compiled and cache-loaded builds both do.
     split = split_module_tuple_return(gm, lambda node: partition_of[node])

@@ -16,8 +16,8 @@ ALL_MODES = ["eager", "none", "piecewise", "full", "full_decode_only", "full_and
 FIELDS = [
     "graph_mode", "max_num_tokens", "capture_sizes", "compile_sizes", "piece_compiler",
     "splitting_ops", "passes", "mode", "use_compile_cache", "cache_dir", "debug_dump_path",
-    "check_guards", "check_graph_inputs", "on_compile_error", "verify", "verify_every",
-    "verify_action", "verify_tolerance",
+    "check_guards", "check_graph_inputs", "check_rank_agreement", "on_compile_error", "verify",
+    "verify_every", "verify_action", "verify_tolerance",
 ]
 
 
@@ -102,6 +102,7 @@ def test_defaults(monkeypatch, tmp_path):
     assert config.debug_dump_path is None
     assert config.check_guards is False
     assert config.check_graph_inputs is False
+    assert config.check_rank_agreement is False
     assert config.on_compile_error == "eager"
     assert (config.verify, config.verify_every, config.verify_action) == (False, 0, "warn")
     assert config.verify_tolerance is None

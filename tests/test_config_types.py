@@ -53,6 +53,7 @@ def refused(field: str, **kwargs) -> str:
     ("use_compile_cache", 0, "True or False"),
     ("check_guards", 1, "True or False"),
     ("check_graph_inputs", None, "True or False"),
+    ("check_rank_agreement", "yes", "True or False"),
     ("piece_compiler", 3, "inductor"),
     ("piece_compiler", "Inductor", "inductor"),
     ("mode", None, "max-autotune"),

@@ -13,8 +13,11 @@ from typing import Any, Callable, ClassVar, Mapping
 import torch
 from torch import nn
 
+from kvgraph.distributed import TensorParallelGroup
+
 from .layers import MLP, RMSNorm
 from .rope import DEFAULT_MAX_POSITION_EMBEDDINGS, RopeParameters
+from .tensor_parallel import full_shape, local_part, shard_model
 
 # Standard deviation of seeded random weights: small enough that activations stay sane.
 INIT_STD = 0.02
@@ -152,7 +155,7 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> CausalLM:
-        """The model of preset `name`; `kwargs` go to `from_hf` (dtype, device, seed, ...)."""
+        """The model of preset `name`; `kwargs` go to `from_hf` (dtype, device, seed, tp, ...)."""
         if name not in cls.presets:
             raise ValueError(
                 f"unknown {cls.__name__} preset {name!r}; available: {sorted(cls.presets)}"
@@ -168,11 +171,19 @@ class CausalLM(nn.Module):
         device: torch.device | str = "cpu",
         *,
         seed: int = 0,
+        tp: TensorParallelGroup | None = None,
     ) -> CausalLM:
-        """The model of a HF config dict, with `state_dict`'s weights or seeded random ones."""
+        """The model of a HF config dict, with `state_dict`'s weights or seeded random ones.
+
+        `tp`: this rank's shard of the model (see tensor_parallel.py), its weights cut from the
+        full ones (`state_dict` or the same seeded ones), so every rank loads the same
+        `state_dict`. None (or size 1): the whole model.
+        """
         # Built on the meta device so no memory is filled twice and no global RNG is consumed.
         with torch.device("meta"):
             model = cls(cls.config_class.from_hf(config))
+        if tp is not None:
+            shard_model(model, tp)
         model = model.to(dtype).to_empty(device=device)
         model.tie_weights()  # moving off the meta device makes new parameters: tie them again
         if state_dict is None:
@@ -184,7 +195,11 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_random(self, seed: int) -> None:
-        """Seeded weights, identical on every device and dtype: N(0, INIT_STD), norm scales 1."""
+        """Seeded weights, identical on every device and dtype: N(0, INIT_STD), norm scales 1.
+
+        A sharded model gets its part of the unsharded model's weights: each full tensor is drawn
+        (so the generator advances as it does unsharded) and cut.
+        """
         generator = torch.Generator().manual_seed(seed)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):  # every RMSNorm scale's HF name ends so
@@ -192,11 +207,15 @@ class CausalLM(nn.Module):
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+                full = torch.randn(full_shape(self, name), generator=generator) * INIT_STD
+                param.copy_(local_part(self, name, full))
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named weights; a ValueError naming every missing or unexpected key."""
+        """Load HF-named weights; a ValueError naming every missing or unexpected key.
+
+        The tensors are the full (unsharded) ones: a sharded model takes its part of each.
+        """
         given = {k: v for k, v in state_dict.items() if not k.endswith(IGNORED_KEY_SUFFIXES)}
         expected = set(self.state_dict())
         if self.config.tie_word_embeddings:
@@ -209,4 +228,4 @@ class CausalLM(nn.Module):
                 f"{type(self).__name__}: the state dict does not match the model: "
                 f"missing keys {missing}, unexpected keys {unexpected}"
             )
-        self.load_state_dict(given, strict=False)
+        self.load_state_dict({k: local_part(self, k, v) for k, v in given.items()}, strict=False)

@@ -75,7 +75,7 @@ class DeepseekMLAAttention(nn.Module):
     def __init__(self, config: DeepseekMLAConfig, prefix: str):
         super().__init__()
         hidden, heads, rank = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
-        self.heads, self.rank = heads, rank
+        self.rank = rank
         self.nope_dim, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.q_lora_rank = config.v_head_dim, config.q_lora_rank
         q_dim = heads * (self.nope_dim + self.rope_dim)
@@ -92,6 +92,11 @@ class DeepseekMLAAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(self.rope_dim, config.rope_theta)
         scale = (self.nope_dim + self.rope_dim) ** -0.5
         self.attn = kvgraph.MLAAttention(heads, rank, self.rope_dim, scale, f"{prefix}.attn")
+
+    @property
+    def heads(self) -> int:
+        """The query heads this module computes: its kvgraph layer's (local when sharded)."""
+        return self.attn.num_heads
 
     def _query(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.q_lora_rank is None:

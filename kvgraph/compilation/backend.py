@@ -32,6 +32,7 @@ from kvgraph.compilation.npu_piece_compilers import NPU_PIECE_COMPILERS, why_not
 from kvgraph.compilation.piece_compiler import BuildRecord, PieceCompiler, make_piece_compiler
 from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
 from kvgraph.config import CompilationConfig, GraphMode, without_pieces
+from kvgraph.distributed import tensor_parallel_group
 from kvgraph.version import __version__
 from passes import (
     REGISTERED_PASSES,
@@ -44,8 +45,8 @@ from passes.op_match import is_op_call
 logger = logging.getLogger(__name__)
 # Config fields that change no compiled artifact: the compile cache key leaves them out.
 NOT_IN_CACHE_KEY = ("capture_sizes", "cache_dir", "debug_dump_path", "check_guards",
-                    "check_graph_inputs", "on_compile_error", "verify", "verify_every",
-                    "verify_action", "verify_tolerance")
+                    "check_graph_inputs", "check_rank_agreement", "on_compile_error", "verify",
+                    "verify_every", "verify_action", "verify_tolerance")
 
 
 @dataclass(frozen=True)
@@ -268,9 +269,13 @@ class KVGraphBackend:
         settings = {name: value for name, value in dataclasses.asdict(config).items()
                     if name not in NOT_IN_CACHE_KEY}
         sources = _traced_source_files()
+        tp = tensor_parallel_group()
+        # Ranks build the same artifacts (shard shapes are in each piece's fingerprint, the
+        # group is a name in the graph), so ranks share them; TP sizes never do.
         factors = {"torch": torch.__version__, "kvgraph": __version__,
                    "device": _device_of(_example_values(gm)).type,
-                   "passes": self.pass_manager.uuid(), "settings": settings}
+                   "passes": self.pass_manager.uuid(), "settings": settings,
+                   "tensor_parallel": {"world_size": tp.world_size, "backend": tp.backend}}
         key = digest(*factors.values(), source_files_digest(sources))
         factors["source_files"] = source_file_digests(sources)
         cache = CompileCache.open(config.cache_dir, key, self.counters)

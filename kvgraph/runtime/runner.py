@@ -31,6 +31,7 @@ from kvgraph.compilation.debug import DumpSession
 from kvgraph.compilation.trace import CompiledModel, compile_model
 from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.devices import canonical_device
+from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 from kvgraph.errors import CompileError, RunnerError
 from kvgraph.forward_context import AttentionProbe, BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
@@ -41,6 +42,7 @@ from kvgraph.runtime.graphs import GraphSet, graph_key
 from kvgraph.runtime.input_buffers import InputBuffers, buffer_bytes
 from kvgraph.runtime.platforms import get_platform
 from kvgraph.runtime.progress import Progress
+from kvgraph.runtime.rank_agreement import RankAgreement
 from kvgraph.runtime.runner_args import (
     check_device,
     check_dtype,
@@ -71,15 +73,22 @@ class ModelRunner:
     One model, one runner: building a runner on a model another live runner holds is a
     RunnerError; `close()` that runner first (or build a new model).
     Public: `config`, `device`, `model`, `kv_caches`, `attn_backend` (its name), `limits`,
-    `vocab_size`, and `hidden_states` (the last step's padded output, for debugging: valid
-    until the next step).
+    `vocab_size`, `tp` (its tensor-parallel group), and `hidden_states` (the last step's
+    padded output, for debugging: valid until the next step).
+
+    Tensor parallelism: `tp_group` (default: the process's, see kvgraph.distributed) is the
+    group the model is sharded over. Every rank builds its runner, compiles, captures and runs
+    the same steps; the runner checks that they agree (settings when built, descriptors at
+    capture, each step's descriptor with `check_rank_agreement`) and raises a RunnerError on
+    every rank, naming the rank that failed or differed, instead of hanging.
     """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None, *,
                  num_blocks: int, max_num_seqs: int, block_size: int | None = None,
                  max_num_tokens: int | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, max_model_len: int | None = None,
-                 attn_backend: str | None = None, vocab_size: int | None = None):
+                 attn_backend: str | None = None, vocab_size: int | None = None,
+                 tp_group: TensorParallelGroup | None = None):
         self._platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
         if block_size is None:
             block_size = self._platform.default_block_size
@@ -116,6 +125,17 @@ class ModelRunner:
         self.hidden_states: torch.Tensor | None = None
         # Verify mode checks graph steps against eager; off, it is None and costs one check.
         self._verifier = Verifier(self) if self.config.verify else None
+        self.tp = tp_group or tensor_parallel_group()
+        self._ranks = RankAgreement(self.tp)
+        self._ranks.same("the runner's settings", self._settings())
+
+    def _settings(self) -> tuple:
+        """What must be equal on every tensor-parallel rank for their steps to match."""
+        config = self.config
+        return (config.graph_mode.value, vars(self.limits), self.attn_backend,
+                config.capture_size_list, config.compile_sizes, config.piece_compiler,
+                config.splitting_ops, str(next(iter(self.kv_caches.values()))[0].dtype)
+                if self.kv_caches else None)
 
     @staticmethod
     def default_block_size(device: torch.device | str = "cpu") -> int:
@@ -157,10 +177,12 @@ class ModelRunner:
         step = self._prepare(self._dummy_batch(1), GraphMode.NONE, BatchDescriptor(1),
                              writes_cache=False)
         start = time.perf_counter()
-        try:
-            self._run(step)  # the first call traces; the backend builds every piece and size
-        except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
-            raise CompileError(f"compiling the model failed: {_root_cause(error)}") from error
+        with self._ranks.together("compile"):
+            try:
+                self._run(step)  # the first call traces; the backend builds every piece, size
+            except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
+                raise CompileError(f"compiling the model failed: {_root_cause(error)}"
+                                   ) from error
         self._compiled = True
         self._follow_compiled_mode()
         total = time.perf_counter() - start
@@ -195,16 +217,22 @@ class ModelRunner:
         self._ensure_compiled()
         keys = [key for key in self._dispatcher.descriptors_to_capture()
                 if not self._graphs.has(*key)]
+        if keys:
+            self.tp.check_capturable()
+        self._ranks.same("the descriptors to capture, in order", [graph_key(*k) for k in keys])
         before = self._graphs.snapshot()["captures"]
         start = time.perf_counter()
         failed, table = [], []
-        with self._graphs.capture_phase(), Progress("descriptors captured", len(keys)) as progress:
+        with (self._ranks.together("capture"), self._graphs.capture_phase(),
+              Progress("descriptors captured", len(keys)) as progress):
             for mode, descriptor in keys:
                 row = self._capture_or_warn(mode, descriptor)
                 if row["error"]:
                     failed.append(row["descriptor"])
                 table.append(row)
                 progress.advance()
+        # A descriptor captured on one rank only would replay its collectives alone.
+        self._ranks.same("the descriptors whose capture failed", failed)
         held = self._graphs.snapshot()
         summary = {"descriptors": len(keys) - len(failed), "graphs": held["captures"] - before,
                    "seconds": time.perf_counter() - start, "bytes": held["graph_bytes"],
@@ -222,6 +250,9 @@ class ModelRunner:
         """
         self._ensure_compiled()
         step = self.prepare_step(chunks)
+        if self.config.check_rank_agreement:
+            self._ranks.same("this step's batch descriptor",
+                             graph_key(step.plan.runtime_mode, step.plan.descriptor))
         if self._verifier is not None and self._verifier.wants(step):
             return self._verifier.run(step)
         hidden = self._run(step)

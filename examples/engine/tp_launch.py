@@ -1,0 +1,138 @@
+"""Where each tensor-parallel rank finds the others, and how it joins them.
+
+Two launches, one group:
+
+- spawned (`--tensor-parallel-size N` alone): the process the user started is rank 0. It makes
+  a `FileStore` in a fresh temp dir (no port to pick or collide on) and spawns ranks 1..N-1
+  (see tp_workers.py), each given the store's path.
+- torchrun (RANK, WORLD_SIZE and MASTER_ADDR in the environment): every process runs the
+  script; the rendezvous is torchrun's (`env://`). Rank 0 serves, the others follow it.
+
+Each rank then initialises torch.distributed (gloo on the CPU, nccl on CUDA, hccl on Ascend)
+with a timeout, records it as kvgraph's tensor-parallel group, takes its own device (`cuda:<local
+rank>` for `--device cuda`) and a share of the node's cores as its compute threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kvgraph import distributed as kvgraph_tp
+from kvgraph.runtime.platforms import get_platform
+
+logger = logging.getLogger(__name__)
+
+# What torchrun (torch.distributed.run) sets in every process it starts.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+# The process group's backend for each device type; the step broadcast is gloo everywhere.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# The store key a spawned rank sets just before it initialises torch.distributed.
+JOINING_KEY = "kvgraph/joining/{rank}"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """One rank's place: `rank` of `world_size`, `local_rank` of `local_world_size` on its
+    node; `store_path` is the spawned launch's FileStore, None under torchrun (`env://`)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    store_path: str | None = None
+
+    def with_rank(self, rank: int) -> Rendezvous:
+        """The same rendezvous for spawned rank `rank` (one node: local rank = rank)."""
+        return Rendezvous(rank, self.world_size, rank, self.world_size, self.store_path)
+
+
+def torchrun_rendezvous() -> Rendezvous | None:
+    """This process's place under torchrun; None when it was not started by torchrun."""
+    if not all(name in os.environ for name in TORCHRUN_VARIABLES):
+        return None
+    world_size = int(os.environ["WORLD_SIZE"])
+    return Rendezvous(int(os.environ["RANK"]), world_size,
+                      int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
+                      int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def tensor_parallel_size(requested: int | None) -> int:
+    """The TP size: `--tensor-parallel-size`, else torchrun's WORLD_SIZE, else 1.
+
+    Under torchrun every process is one rank of the one model, so a flag that disagrees with
+    WORLD_SIZE is refused rather than serving two half-models.
+    """
+    launched = torchrun_rendezvous()
+    if launched is None:
+        return requested or 1
+    if requested is not None and requested != launched.world_size:
+        raise ValueError(f"--tensor-parallel-size {requested} does not match torchrun's "
+                         f"WORLD_SIZE={launched.world_size}; give the same size to both (or "
+                         "leave the flag out under torchrun)")
+    return launched.world_size
+
+
+def rank_device(device: str, rendezvous: Rendezvous) -> str:
+    """The device this rank runs on: the CPU, or `<type>:<local rank>` for an accelerator."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu":
+        return "cpu"
+    if index:
+        raise ValueError(f"--device {device} names one device, but {rendezvous.world_size} "
+                         f"tensor-parallel ranks need one each; give --device {kind} and rank "
+                         f"r runs on {kind}:<local rank r>")
+    return f"{kind}:{rendezvous.local_rank}"
+
+
+def join_group(rendezvous: Rendezvous, device: str, timeout_s: float,
+               store: dist.Store | None = None) -> kvgraph_tp.TensorParallelGroup:
+    """Initialise torch.distributed for this rank and record kvgraph's TP group.
+
+    Every collective on the group (the model's, kvgraph's agreement checks) fails after
+    `timeout_s` instead of waiting forever on a rank that is gone. A spawned rank says it is
+    joining (JOINING_KEY) first, so rank 0 can tell a rank that died before it from a slow one.
+    """
+    kind = device.split(":")[0]
+    if kind not in BACKENDS:
+        raise ValueError(f"tensor parallelism runs on {sorted(BACKENDS)}, got --device {device}")
+    if kind != "cpu":
+        get_platform(device)  # loads torch_npu for "npu", which registers hccl
+        getattr(torch, kind).set_device(rendezvous.local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    if rendezvous.store_path is None:
+        dist.init_process_group(BACKENDS[kind], init_method="env://", timeout=timeout)
+    else:
+        store = store or dist.FileStore(rendezvous.store_path, rendezvous.world_size)
+        store.set(JOINING_KEY.format(rank=rendezvous.rank), "1")
+        dist.init_process_group(BACKENDS[kind], store=store, rank=rendezvous.rank,
+                                world_size=rendezvous.world_size, timeout=timeout)
+    set_compute_threads(rendezvous)
+    return kvgraph_tp.init_tensor_parallel(timeout_s=timeout_s)
+
+
+def set_compute_threads(rendezvous: Rendezvous) -> int:
+    """Give this rank its share of the node's cores as torch's compute threads, and log it.
+
+    N ranks each using every core would oversubscribe the node N times over.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // rendezvous.local_world_size)
+    torch.set_num_threads(threads)
+    logger.info("rank %d of %d: %d compute threads (%d cores / %d ranks on this node)",
+                rendezvous.rank, rendezvous.world_size, threads, cores,
+                rendezvous.local_world_size)
+    return threads
+
+
+def leave_group() -> None:
+    """Tear down torch.distributed and forget kvgraph's TP group (a later engine may start
+    afresh in this process)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    kvgraph_tp.reset_tensor_parallel()

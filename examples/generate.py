@@ -8,6 +8,12 @@ paged KV cache blocks and sampler) and `kvgraph.ModelRunner`, in the graph mode 
 weights are random, so their text is noise, but the path is the one a served model takes:
 compile, capture, then replay per batch descriptor. `--model PATH` serves a local Hugging Face
 checkpoint instead.
+
+`--tensor-parallel-size N` shards the model over N ranks: this process is rank 0 and spawns
+the others, broadcasting each step's batch to them (see examples/serve.py). Under torchrun the
+same flags work, every rank started by torchrun (rank 0 prints, the others follow it):
+
+    torchrun --nproc-per-node 2 examples/generate.py --tensor-parallel-size 2 --preset tiny
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import time
 from typing import Sequence
 
 if __package__:
-    from .engine import SamplingParams, add_engine_args, build_engine
+    from .engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
+                         build_engine, run_if_worker)
     from .engine.engine_args import positive_int
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/generate.py`: this folder, not the repo root, is on sys.path
-    from engine import SamplingParams, add_engine_args, build_engine
+    from engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
+                        build_engine, run_if_worker)
     from engine.engine_args import positive_int
     from models import DeepseekMLA, Llama
 
@@ -51,12 +59,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    worker_exit = run_if_worker(args, MODELS)  # under torchrun, ranks > 0 follow rank 0 here
+    if worker_exit is not None:
+        return worker_exit
     if args.model in MODELS:
         print(f"model: the example {args.model!r} ({args.preset} preset) with random weights, so "
               "its text is noise: this demo shows the path, not the words (--model PATH "
               "generates from a local Hugging Face checkpoint)")
     engine, summary = build_engine(args, MODELS)
-    print(f"graph mode {summary['graph_mode']}: compiled, then captured "
+    try:
+        report(engine, summary, args)
+    except EngineDeadError as error:  # a tensor-parallel rank died
+        print(f"generation stopped: {error}", file=sys.stderr)
+        return 1
+    finally:
+        engine.runner.close()  # with tensor parallelism: the other ranks stop too
+    return 0
+
+
+def report(engine: LLMEngine, summary: dict, args: argparse.Namespace) -> None:
+    """Generate from the prompts and print what happened."""
+    ranks = summary["tensor_parallel_size"]
+    print(f"graph mode {summary['graph_mode']}"
+          f"{f' on {ranks} tensor-parallel ranks' if ranks > 1 else ''}: compiled, then captured "
           f"{summary['descriptors']} batch descriptors ({summary['graphs']} graphs: one per "
           f"piece of each) in {summary['seconds']:.1f} s; they hold "
           f"{summary['graph_bytes'] / 2**20:.1f} MiB")
@@ -82,7 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, count in stats["runner"]["hits"].items():
         print(f"  {count:4d}  {key}")
     print(f"graph replays (one per piece of each step): {stats['runner']['graphs']['replays']}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,6 +15,19 @@ outside int64 or a bool where a number belongs, is a 400 naming the field. Strea
 the status is sent once the request has its first token, so a request refused or failed that
 early gets a real 4xx or 500. A failure while serving one request fails it alone (500), never
 the others in flight. /metrics counts every response by endpoint and status, 500s included.
+
+Tensor parallelism: `--tensor-parallel-size N` shards the model over N ranks. This process is
+rank 0: it spawns ranks 1..N-1 (torch.multiprocessing; a FileStore in a temp dir is their
+rendezvous), serves, and broadcasts each step's batch to them over a gloo group; every rank
+runs it on its shard. The same flags work under torchrun, which starts every rank itself:
+
+    torchrun --nproc-per-node 2 examples/serve.py --tensor-parallel-size 2 ...
+
+(rank 0 serves; the others follow it). A rank that dies stops the server: the requests in
+flight fail (500), /health answers 503, and the process exits with status 1, its log naming
+the rank and its exit code (under torchrun, torchrun's report names it). gloo on the CPU,
+nccl on CUDA (rank r on cuda:r), hccl on Ascend; `--distributed-timeout` bounds every wait for
+a peer.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from kvgraph import CompileError
 
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
+    from .engine import EngineDeadError, LLMEngine, run_if_worker
     from .engine.errors import ModelNotFound
     from .engine.http_answers import collect, events, merged, resume
     from .engine.sampling_params import SamplingParams
@@ -49,6 +63,7 @@ if __package__:
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
     from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
+    from engine import EngineDeadError, LLMEngine, run_if_worker
     from engine.errors import ModelNotFound
     from engine.http_answers import collect, events, merged, resume
     from engine.sampling_params import SamplingParams
@@ -114,8 +129,11 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 f"use {COMPLETIONS}", None, "not_found_error"), status_code=404)
         return await generate(http, chat=True)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
+    @app.get("/health", response_model=None)
+    async def health() -> dict[str, Any] | JSONResponse:
+        if engine.fatal_error is not None:
+            return JSONResponse({"status": "dead", "error": str(engine.fatal_error)},
+                                status_code=503)
         stats = engine.stats
         return {"status": "ok", "graph_mode": stats["runner"]["graph_mode"],
                 "running": stats["running"], "waiting": stats["waiting"],
@@ -226,15 +244,39 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    worker_exit = run_if_worker(args, MODELS)  # under torchrun, ranks > 0 follow rank 0 here
+    if worker_exit is not None:
+        raise SystemExit(worker_exit)
     try:
         engine, _ = build_engine(args, MODELS)  # logs the compile and capture summary
     # Before serving: a server that cannot load or compile its model never starts.
-    except (CompileError, FileNotFoundError, NotImplementedError, ValueError) as error:
+    except (CompileError, EngineDeadError, FileNotFoundError, NotImplementedError,
+            ValueError) as error:
         logger.error("not serving: %s", error)
         raise SystemExit(1) from None
-    app = build_app(AsyncEngine(engine), model_name(args))
+    try:
+        fatal = serve(engine, args)
+    finally:
+        engine.runner.close()  # with tensor parallelism: the other ranks stop too
+    if fatal is not None:
+        logger.error("the server stopped: %s", fatal)
+        raise SystemExit(1)
+
+
+def serve(engine: LLMEngine, args: argparse.Namespace) -> EngineDeadError | None:
+    """Serve until shut down, or until the engine dies (then stop at once); why it died."""
+    server: uvicorn.Server | None = None
+
+    def stop_serving(error: EngineDeadError) -> None:
+        server.should_exit = True  # from the engine thread: uvicorn polls it
+
+    async_engine = AsyncEngine(engine, on_fatal=stop_serving)
+    app = build_app(async_engine, model_name(args))
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="info"))
     logger.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    server.run()
+    return async_engine.fatal_error
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ LLAMA = Llama.presets["tiny"]
 LLAMA_ONE_KV_HEAD = {**LLAMA, "num_key_value_heads": 1}
 MLA = DeepseekMLA.presets["tiny"]
 MODELS = {"llama": Llama, "deepseek_mla": DeepseekMLA}
+# The graphs each mode's steps must have replayed (the CPU's torch_native backend turns "full"
+# into "full_and_piecewise": it captures attention for uniform decode only).
+GRAPHS_REPLAYED = {"piecewise": {"piecewise"}, "full": {"full", "piecewise"},
+                   "full_decode_only": {"full"}, "full_and_piecewise": {"full", "piecewise"}}
 
 
 def fake(rank: int, world_size: int = 2) -> TensorParallelGroup:
@@ -208,6 +212,8 @@ def _rank_modes(rank: int, kind: str, config: dict, modes: tuple, piece_compiler
         runner = _runner(model, mode, piece_compiler, cache_dir)
         runner.capture()
         results[mode] = _generate(runner)
+        # How steps ran ("full", "piecewise", "none", "eager"): graphs were replayed.
+        results[mode]["ran"] = {label.split(":")[0] for label in runner.stats()["hits"]}
         runner.close()
     return results
 
@@ -237,6 +243,7 @@ def assert_ranks_match_one_process(kind, config, tmp_path, modes=MODES,
     for mode in modes:
         got = [ranks[r][mode] for r in range(2)]
         for rank, result in enumerate(got):
+            assert GRAPHS_REPLAYED.get(mode, set()) <= result["ran"], (mode, result["ran"])
             assert result["tokens"] == want["tokens"], (mode, rank)
             for step, (a, b) in enumerate(zip(result["logits"], want["logits"])):
                 torch.testing.assert_close(a, b, **TOLERANCE, msg=f"{mode} rank {rank} step {step}")

@@ -5,8 +5,8 @@ template (jinja2) and the server's packages are imported when first needed.
 """
 
 from .async_engine import AsyncEngine
-from .engine import LLMEngine
-from .engine_args import add_engine_args, build_engine
+from .engine import EngineDeadError, LLMEngine
+from .engine_args import add_engine_args, build_engine, run_if_worker
 from .errors import RequestError, RequestFailed
 from .request import Completion, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 __all__ = [
     "AsyncEngine",
     "Completion",
+    "EngineDeadError",
     "FinishReason",
     "LLMEngine",
     "Request",
@@ -23,4 +24,5 @@ __all__ = [
     "SamplingParams",
     "add_engine_args",
     "build_engine",
+    "run_if_worker",
 ]

@@ -1,4 +1,9 @@
-"""AsyncEngine: the engine loop in one background thread, its outputs as asyncio streams."""
+"""AsyncEngine: the engine loop in one background thread, its outputs as asyncio streams.
+
+An `EngineDeadError` from a step (a tensor-parallel rank died) ends the engine: every request
+in flight, and every one added later, fails saying why; `fatal_error` holds it, and the
+`on_fatal` callback (the server's: stop serving) is called once, from the loop thread.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from .engine import LLMEngine
+from .engine import EngineDeadError, LLMEngine
 from .errors import RequestError, RequestFailed
 from .request import RequestOutput
 from .sampling_params import SamplingParams
@@ -29,8 +34,11 @@ class AsyncEngine:
     engine refuses raises RequestError there, one it fails raises RequestFailed.
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine,
+                 on_fatal: Callable[[EngineDeadError], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal_error: EngineDeadError | None = None
         self.stats: dict[str, Any] = engine.stats()  # replaced, never mutated: safe to read
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -72,12 +80,14 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while True:
-            # Block for a command only when there is nothing to step.
-            if not self._apply_commands(block=not self.engine.has_unfinished):
+            # Block for a command only when there is nothing to step (or nothing can be).
+            stepping = self.engine.has_unfinished and self.fatal_error is None
+            if not self._apply_commands(block=not stepping):
                 return
-            if self.engine.has_unfinished:
+            if stepping:
                 self._step()
-            self._refresh_stats()
+            if self.fatal_error is None:
+                self._refresh_stats()
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands; False when asked to stop."""
@@ -92,6 +102,9 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
              loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
+        if self.fatal_error is not None:
+            _deliver(loop, outputs, RequestFailed(f"the engine stopped: {self.fatal_error}"))
+            return
         try:
             self.engine.add_request(prompt_token_ids, params, request_id)
         except RequestError as error:
@@ -110,6 +123,9 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError as error:
+            self._die(error)
+            return
         except Exception as error:  # a bug in the engine itself: fail its requests, not the server
             logger.exception("engine step failed; aborting every request in flight")
             for request_id, (loop, stream) in list(self._streams.items()):
@@ -122,6 +138,16 @@ class AsyncEngine:
                 _deliver(*stream, output if output.error is None else RequestFailed(output.error))
             if output.finished:
                 self._streams.pop(output.request_id, None)
+
+    def _die(self, error: EngineDeadError) -> None:
+        """Fail every request in flight with `error`, refuse all later ones, tell `on_fatal`."""
+        logger.critical("the engine cannot go on: %s", error)
+        self.fatal_error = error
+        for request_id, (loop, stream) in list(self._streams.items()):
+            _deliver(loop, stream, RequestFailed(f"the engine stopped: {error}"))
+            self._abort(request_id)
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     def _refresh_stats(self) -> None:
         now = time.perf_counter()

@@ -13,6 +13,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from kvgraph.distributed import TensorParallelGroup
+
 from .tokenizer import HFTokenizer
 
 # HF `architectures` entries -> the example model (a key of the caller's model table) that
@@ -59,8 +61,10 @@ def read_state_dict(files: list[Path]) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint(path: str | Path, models: Mapping[str, Any], dtype: torch.dtype,
-                    device: torch.device | str) -> tuple[nn.Module, HFTokenizer]:
-    """The model (from `models`, by architecture) and tokenizer of checkpoint dir `path`."""
+                    device: torch.device | str, tp: TensorParallelGroup | None = None
+                    ) -> tuple[nn.Module, HFTokenizer]:
+    """The model (from `models`, by architecture) and tokenizer of checkpoint dir `path`;
+    with `tp`, this rank's shard of the model (every rank reads the whole checkpoint)."""
     path = Path(path)
     config = _read_json(path / "config.json")
     model_class = models[model_kind(config)]
@@ -68,5 +72,5 @@ def load_checkpoint(path: str | Path, models: Mapping[str, Any], dtype: torch.dt
     generation = {**config, **_read_json(path / "generation_config.json", required=False)}
     files = safetensors_files(path)
     tokenizer = HFTokenizer.from_dir(path, generation)  # before the weights, which take longer
-    model = model_class.from_hf(config, read_state_dict(files), dtype=dtype, device=device)
+    model = model_class.from_hf(config, read_state_dict(files), dtype=dtype, device=device, tp=tp)
     return model, tokenizer

@@ -6,7 +6,8 @@ the runner's (`runner.limits`: blocks, block size, requests and tokens per step,
 the two cannot disagree. It is not thread-safe: one thread (the server's engine loop, or the
 offline caller) drives it.
 
-A failure while serving one request ends that request alone, with an error; see `step`.
+A failure while serving one request ends that request alone, with an error; see `step`. An
+`EngineDeadError` (a tensor-parallel rank died) is nobody's request: it ends the engine.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ from .scheduler import ScheduledChunk, Scheduler
 logger = logging.getLogger(__name__)
 # A sampled token, or the error sampling it raised.
 Sampled = int | Exception
+
+
+class EngineDeadError(RuntimeError):
+    """An error no request caused, after which the engine cannot step again (a tensor-parallel
+    rank died): `step` raises it instead of failing requests one by one."""
 
 
 class LLMEngine:
@@ -118,7 +124,8 @@ class LLMEngine:
         at a time: the requests that fail alone too end with an error, the others go on (when
         every one fails alone, the step itself is broken and they all end, saying so). An
         error sampling or detokenizing a request ends that request only. Every request that
-        ends this way frees its blocks at once.
+        ends this way frees its blocks at once. An EngineDeadError from the model step is
+        raised: the engine cannot go on.
         """
         schedule = self.scheduler.schedule()
         if not schedule.chunks:
@@ -153,6 +160,8 @@ class LLMEngine:
         """Each chunk that ran, with its logits row; the outputs of the requests that failed."""
         try:
             return list(zip(chunks, self._execute(chunks))), []
+        except EngineDeadError:
+            raise  # no request's fault, and no retry can help
         except Exception as error:  # noqa: BLE001 - whose fault it is, is found below
             logger.warning("a model step of %d requests failed (%s: %s); running each alone",
                            len(chunks), type(error).__name__, error)
@@ -162,6 +171,8 @@ class LLMEngine:
         for chunk in chunks:
             try:
                 ran.append((chunk, self._execute([chunk])[0]))
+            except EngineDeadError:
+                raise
             except Exception as error:  # noqa: BLE001 - this request's fault
                 failed.append((chunk.request, error))
         what = ("the model step failed for this request, in its batch and alone"

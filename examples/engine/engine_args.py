@@ -2,25 +2,36 @@
 
 `--model llama|mla --preset NAME` serves an example model with seeded random weights and a
 byte-level tokenizer; `--model PATH` a local Hugging Face checkpoint directory.
+
+`--tensor-parallel-size N` shards the model over N ranks (see tp_workers.py and tp_runner.py):
+`build_engine` then spawns ranks 1..N-1, or, under torchrun, is rank 0 of torchrun's; every rank
+builds its runner with `build_rank`, from the same flags. Under torchrun the other ranks call
+`run_if_worker` instead, which follows rank 0 until it stops.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import kvgraph
+from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 
 from .engine import LLMEngine
-from .kv_sizing import add_kv_sizing_args, choose_num_blocks
+from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
 from .tokenizer import ByteTokenizer
+from .tp_launch import tensor_parallel_size, torchrun_rendezvous
+from .tp_workers import run_worker, start_rank_zero
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +42,8 @@ DEFAULT_TOKEN_BUDGET = 128
 DEFAULT_MAX_MODEL_LEN = 1024
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+# Seconds a rank waits for its peers in a collective (start-up included) before failing.
+DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
 
 
 def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
@@ -55,6 +68,13 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
     group.add_argument("--seed", type=int, default=0, help="seeds random weights and sampling")
+    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int,
+                       help="ranks to shard the model over (default 1, or torchrun's WORLD_SIZE); "
+                       "rank 0 spawns the others unless torchrun started them")
+    group.add_argument("--distributed-timeout", type=positive_float,
+                       default=DEFAULT_DISTRIBUTED_TIMEOUT_S, metavar="SECONDS",
+                       help="with tensor parallelism, how long a rank waits for the others (to "
+                       "start, or in a collective) before failing")
     kvgraph.add_cli_args(parser)
     return parser
 
@@ -67,17 +87,27 @@ def positive_int(text: str) -> int:
     return value
 
 
-def load_model(args: argparse.Namespace, models: Mapping[str, Any]) -> tuple[nn.Module, Any]:
-    """The model and tokenizer `--model` names; `models` maps names to example model classes."""
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def load_model(args: argparse.Namespace, models: Mapping[str, Any],
+               tp: TensorParallelGroup | None = None) -> tuple[nn.Module, Any]:
+    """The model and tokenizer `--model` names; `models` maps names to example model classes.
+    With `tp`, this rank's shard of the model."""
     dtype = DTYPES[args.dtype]
     if args.model in models:
         model = models[args.model].from_preset(args.preset, dtype=dtype, device=args.device,
-                                               seed=args.seed)
+                                               seed=args.seed, tp=tp)
         return model, ByteTokenizer()
     if Path(args.model).is_dir():
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(args.model, models, dtype, args.device)
+        return load_checkpoint(args.model, models, dtype, args.device, tp)
     raise ValueError(f"--model {args.model!r} is neither one of {sorted(models)} nor a "
                      "checkpoint directory")
 
@@ -90,13 +120,28 @@ def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
     return config
 
 
-def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
-                 ) -> tuple[LLMEngine, dict[str, Any]]:
-    """Load, compile and capture: the engine, and a summary of its start-up."""
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class RankBuild:
+    """One rank's runner, captured, with the tokenizer, the cache sizing and the capture
+    summary (what rank 0's engine and start-up log need)."""
+
+    runner: kvgraph.ModelRunner
+    tokenizer: Any
+    sizing: KVSizing
+    capture: dict[str, Any]
+
+
+def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str) -> RankBuild:
+    """Load, compile and capture this rank's runner on `device` (every rank, the same way).
+
+    Under tensor parallelism the model is this rank's shard, and the ranks take the smallest
+    of their cache sizes (devices may have different memory free).
+    """
+    args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's, not the flag's
     if args.block_size is None:
-        args.block_size = kvgraph.ModelRunner.default_block_size(args.device)
-    model, tokenizer = load_model(args, models)
+        args.block_size = kvgraph.ModelRunner.default_block_size(device)
+    tp = tensor_parallel_group()
+    model, tokenizer = load_model(args, models, tp=tp if tp.world_size > 1 else None)
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
@@ -104,22 +149,64 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
     def build_runner(num_blocks: int) -> kvgraph.ModelRunner:
         return kvgraph.ModelRunner(
             model, config, num_blocks=num_blocks, block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs, device=args.device, max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs, device=device, max_model_len=max_model_len,
             attn_backend=args.attention_backend)
 
-    sizing = choose_num_blocks(args, model, DTYPES[args.dtype], config.max_num_tokens,
-                               max_model_len, build_runner)
+    sizing = _agreed(choose_num_blocks(args, model, DTYPES[args.dtype], config.max_num_tokens,
+                                       max_model_len, build_runner), tp)
     runner = build_runner(sizing.num_blocks)
     capture = runner.capture()  # compiles first: a compile error raises here, before serving
-    engine = LLMEngine(runner, tokenizer, args.seed, args.enable_prefix_caching)
+    return RankBuild(runner, tokenizer, sizing, capture)
+
+
+def _agreed(sizing: KVSizing, tp: TensorParallelGroup) -> KVSizing:
+    """The fewest blocks any rank chose (every rank's cache must hold the same block ids)."""
+    if tp.world_size == 1:
+        return sizing
+    blocks = torch.tensor([sizing.num_blocks], dtype=torch.int64)
+    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    if int(blocks) == sizing.num_blocks:
+        return sizing
+    return KVSizing(int(blocks), f"{sizing.why}, the fewest of the {tp.world_size} ranks'")
+
+
+def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
+                 ) -> tuple[LLMEngine, dict[str, Any]]:
+    """Load, compile and capture: the engine, and a summary of its start-up.
+
+    With tensor parallelism this process is rank 0: its engine's runner is a
+    TensorParallelRunner, which `runner.close()` stops the other ranks through.
+    """
+    start = time.perf_counter()
+    world_size = tensor_parallel_size(args.tensor_parallel_size)
+    if world_size == 1:
+        built = build_rank(args, models, args.device)
+        runner = built.runner
+    else:
+        built, runner = start_rank_zero(world_size, args.device, args.distributed_timeout,
+                                        functools.partial(build_rank, args, models))
+    engine = LLMEngine(runner, built.tokenizer, args.seed, args.enable_prefix_caching)
+    capture = built.capture
     summary = {"graph_mode": runner.config.graph_mode.value,
                "descriptors": capture["descriptors"], "graphs": capture["graphs"],
                "graph_bytes": capture["bytes"], "seconds": time.perf_counter() - start,
-               "compile": runner.stats()["compile"], "num_blocks": sizing.num_blocks,
-               "num_blocks_why": sizing.why}
+               "compile": runner.stats()["compile"], "num_blocks": built.sizing.num_blocks,
+               "num_blocks_why": built.sizing.why, "tensor_parallel_size": world_size}
     logger.info("engine ready in %.1f s: graph mode %s, %d descriptors captured (%d graphs, "
-                "%.1f MiB), %d pieces built in %.1f s", summary["seconds"],
+                "%.1f MiB), %d pieces built in %.1f s%s", summary["seconds"],
                 summary["graph_mode"], summary["descriptors"], summary["graphs"],
                 summary["graph_bytes"] / 2**20, summary["compile"]["builds"],
-                summary["compile"]["compile_seconds"])
+                summary["compile"]["compile_seconds"],
+                f", on each of {world_size} tensor-parallel ranks" if world_size > 1 else "")
     return engine, summary
+
+
+def run_if_worker(args: argparse.Namespace, models: Mapping[str, Any]) -> int | None:
+    """Under torchrun, a rank other than 0 follows rank 0's steps here, then returns its exit
+    code; None on rank 0 and without torchrun (the caller then builds the engine)."""
+    rendezvous = torchrun_rendezvous()
+    if rendezvous is None or rendezvous.rank == 0 or \
+            tensor_parallel_size(args.tensor_parallel_size) == 1:
+        return None
+    return run_worker(rendezvous, args.device, args.distributed_timeout,
+                      functools.partial(build_rank, args, models))

@@ -61,7 +61,7 @@ class RankAgreement:
         try:
             yield
         except Exception as error:
-            self._record_failure(what, error)
+            self._record_failure(error)
             self._outcomes(what, error)
             raise  # _outcomes raised already; kept for readers and type checkers
         self._outcomes(what, None)
@@ -71,7 +71,7 @@ class RankAgreement:
         try:
             outcomes = self._gather(what, mine)
         except RunnerError as unreachable:
-            raise self._recorded_failure(what, unreachable) from error or unreachable
+            raise self._recorded_failure(what, mine, unreachable) from error or unreachable
         failed = [(rank, message) for rank, message in enumerate(outcomes) if message]
         if failed:
             raise RunnerError(_failure_message(what, failed)) from error
@@ -90,16 +90,19 @@ class RankAgreement:
     def _store_key(self, rank: int) -> str:
         return f"kvgraph/failure/{self._id}/rank{rank}"
 
-    def _record_failure(self, what: str, error: BaseException) -> None:
+    def _record_failure(self, error: BaseException) -> None:
         store = _default_store()
         if store is not None:
             with contextlib.suppress(Exception):
-                store.set(self._store_key(self.tp.rank), f"{what}: {_describe(error)}")
+                store.set(self._store_key(self.tp.rank), _describe(error))
 
-    def _recorded_failure(self, what: str, unreachable: RunnerError) -> RunnerError:
-        """The peers' failures left in the store, or `unreachable` when none is there."""
+    def _recorded_failure(self, what: str, mine: str | None, unreachable: RunnerError
+                          ) -> RunnerError:
+        """This rank's and its peers' failures (theirs as left in the store), or `unreachable`
+        when there is none."""
         store = _default_store()
-        failed = []
+        failed = [] if mine is None else [(self.tp.rank, f"{mine} (its peers could not be "
+                                                         "told: the exchange failed)")]
         for rank in range(self.tp.world_size):
             key = self._store_key(rank)
             with contextlib.suppress(Exception):

@@ -1,0 +1,230 @@
+"""Each step's batch, broadcast from rank 0 to the worker ranks: both ends of it.
+
+Rank 0's engine runs a `TensorParallelRunner`, which has the `ModelRunner` face the engine
+uses; its `execute(chunks)` broadcasts the chunks, then runs them on rank 0's shard. Every
+worker runs `follow_steps`: receive a batch, run it, until rank 0 says stop. So every rank runs
+the same `execute` calls in the same order (the engine's one-request-at-a-time retries
+included: each is a broadcast too), which is what keeps their collectives paired.
+
+Failures:
+- A batch every rank refuses (`kvgraph.BatchError`: checked before anything runs or any
+  collective starts) raises on each; rank 0's engine deals with it as with one rank, the
+  workers go on to the next message.
+- Anything else is fatal (`RankFailed`): a worker that died, a broadcast that failed, a step
+  that failed on rank 0 some other way (the ranks may have parted ways mid-step, and a
+  collective cannot be taken back). The message names the dead rank and its exit code where
+  rank 0 spawned it; under torchrun, torchrun's own report names it.
+- A worker whose step fails other than by BatchError raises out of `follow_steps` (its process
+  exits, logging why), and rank 0's next collective fails: see above.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from datetime import timedelta
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+import kvgraph
+from kvgraph.distributed import TensorParallelGroup
+
+from .engine import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+# Message kinds on the step channel.
+STEP, STOP = "step", "stop"
+# How long a worker waits for rank 0's next message. A server may sit idle for days, so this
+# is no deadline: a rank 0 that dies closes its sockets and the wait fails at once.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+class RankFailed(EngineDeadError):
+    """A tensor-parallel rank died or failed: no rank can go on, so the engine stops.
+
+    `rank` and `exitcode` name the rank when it is known (None otherwise).
+    """
+
+    def __init__(self, message: str, rank: int | None = None, exitcode: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class Workers(Protocol):
+    """What rank 0 needs of the ranks it spawned (tp_workers.WorkerProcesses)."""
+
+    def first_dead(self, wait_s: float = 0.0) -> tuple[int, int] | None: ...
+
+    def pid(self, rank: int) -> int | None: ...
+
+    def stop(self) -> dict[int, int | None]: ...
+
+
+def exit_description(exitcode: int) -> str:
+    """`exit code N`, or the signal a negative code stands for."""
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name} (exit code {exitcode})"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"
+
+
+class StepChannel:
+    """Messages from rank 0 to every rank of the TP group: pickled, broadcast on gloo.
+
+    A gloo group of its own, so a message never pairs with a model collective if ranks part
+    ways, and with IDLE_TIMEOUT, so an idle worker waits as long as the server idles. Making
+    it is collective: every rank makes it at the same point.
+    """
+
+    def __init__(self, tp: TensorParallelGroup):
+        ranks = dist.get_process_group_ranks(tp.group)
+        self._root = ranks[0]
+        self._group = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+        self.rank, self.world_size = tp.rank, tp.world_size
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        """Rank 0: broadcast one message to every other rank."""
+        dist.broadcast_object_list([(kind, payload)], src=self._root, group=self._group)
+
+    def receive(self) -> tuple[str, Any]:
+        """A worker: the next message, `(kind, payload)`, once rank 0 sends it."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=self._root, group=self._group)
+        return box[0]
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: a `ModelRunner` whose every `execute` is broadcast to the workers.
+
+    It offers what the engine and the entry points use (`execute`, `limits`, `vocab_size`,
+    `device`, `model`, `hidden_states`, `config`, `kv_caches`, `attn_backend`, `stats`,
+    `close`); nothing else, so nothing can run on rank 0 alone by mistake (a `capture` there
+    would wait forever for the workers' part). Logits are rank 0's: every rank holds the full
+    logits after the replicated lm_head. `close()` tells the workers to stop, then waits for
+    them; `on_close` (leaving the process group) runs last.
+    """
+
+    def __init__(self, runner: kvgraph.ModelRunner, channel: StepChannel,
+                 workers: Workers | None = None, on_close: Callable[[], None] | None = None):
+        self._runner = runner
+        self._channel = channel
+        self._workers = workers
+        self._on_close = on_close
+        self._failed: RankFailed | None = None
+        self._closed = False
+        self.steps_broadcast = 0
+
+    # --- the ModelRunner face --------------------------------------------------------------
+
+    limits = property(lambda self: self._runner.limits)
+    vocab_size = property(lambda self: self._runner.vocab_size)
+    device = property(lambda self: self._runner.device)
+    model = property(lambda self: self._runner.model)
+    hidden_states = property(lambda self: self._runner.hidden_states)
+    config = property(lambda self: self._runner.config)
+    kv_caches = property(lambda self: self._runner.kv_caches)
+    attn_backend = property(lambda self: self._runner.attn_backend)
+
+    @property
+    def world_size(self) -> int:
+        return self._channel.world_size
+
+    def execute(self, chunks: Sequence[kvgraph.RequestChunk]) -> torch.Tensor:
+        """Broadcast one step, then run it here; rank 0's logits, `[len(chunks), vocab]`.
+
+        A BatchError is the batch's (every rank refused it); any other error is a RankFailed.
+        """
+        if self._failed is not None:
+            raise self._failed
+        self._broadcast(list(chunks))
+        try:
+            return self._runner.execute(chunks)
+        except kvgraph.BatchError:
+            raise  # refused before any collective, on every rank alike: all go on
+        except Exception as error:  # noqa: BLE001 - fatal whatever it is; said so below
+            raise self._fail(f"a model step failed on rank 0 ({type(error).__name__}: "
+                             f"{error})") from error
+
+    def _broadcast(self, chunks: list[kvgraph.RequestChunk]) -> None:
+        dead = self._workers.first_dead() if self._workers else None
+        if dead is not None:
+            raise self._fail("found before a step")
+        try:
+            self._channel.send(STEP, chunks)
+        except Exception as error:  # noqa: BLE001 - a peer gone mid-broadcast
+            raise self._fail(f"broadcasting a step failed ({error})") from error
+        self.steps_broadcast += 1
+
+    def _fail(self, what: str) -> RankFailed:
+        """The fatal error to raise (kept: every later step raises it too), naming the dead
+        rank when one of the spawned ones is dead."""
+        # The peer's socket closes as it dies, a moment before its exit status is there.
+        dead = self._workers.first_dead(wait_s=2.0) if self._workers else None
+        if dead is not None:
+            rank, code = dead
+            message = (f"tensor-parallel rank {rank} (pid {self._workers.pid(rank)}) died, "
+                       f"{exit_description(code)}; the engine cannot run without it ({what})")
+            self._failed = RankFailed(message, rank, code)
+        else:
+            self._failed = RankFailed(
+                f"{what}; with tensor parallelism a failed step leaves the ranks out of step "
+                "(a collective cannot be taken back), so the engine stops (a worker's log, "
+                "or torchrun's report, says which rank failed)")
+        logger.error("%s", self._failed)
+        return self._failed
+
+    def stats(self) -> dict[str, Any]:
+        """Rank 0's runner stats, and the TP size and how many steps were broadcast."""
+        return {**self._runner.stats(),
+                "tensor_parallel": {"size": self.world_size,
+                                    "steps_broadcast": self.steps_broadcast}}
+
+    def close(self) -> None:
+        """Tell the workers to stop, close rank 0's runner and wait for the workers to exit
+        (killing any that do not); then `on_close`. Safe to call twice, and after a failure."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._failed is None:
+                self._channel.send(STOP)
+        except Exception as error:  # noqa: BLE001 - a worker already gone; stop the rest anyway
+            logger.warning("telling the workers to stop failed (%s)", error)
+        finally:
+            self._runner.close()
+            if self._workers is not None:
+                self._workers.stop()
+            if self._on_close is not None:
+                self._on_close()
+
+
+def follow_steps(runner: kvgraph.ModelRunner, channel: StepChannel) -> int:
+    """A worker's loop: run each step rank 0 broadcasts, until it says stop; the steps run.
+
+    A batch refused with a BatchError is skipped (rank 0 refused it too). Any other error is
+    raised: this rank is out of step with the others and must stop. A rank 0 that went away
+    without saying stop is a RankFailed.
+    """
+    steps = 0
+    while True:
+        try:
+            kind, chunks = channel.receive()
+        except Exception as error:  # noqa: BLE001 - rank 0 is gone
+            raise RankFailed(f"rank {channel.rank}: rank 0 went away without saying stop "
+                             f"({error})", rank=0) from error
+        if kind == STOP:
+            return steps
+        if kind != STEP:
+            raise RankFailed(f"rank {channel.rank}: unknown message {kind!r} from rank 0 "
+                             f"(expected {STEP!r} or {STOP!r})", rank=0)
+        try:
+            runner.execute(chunks)
+        except kvgraph.BatchError as error:
+            logger.debug("rank %d: a batch refused on every rank: %s", channel.rank, error)
+        steps += 1

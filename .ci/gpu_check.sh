@@ -50,6 +50,12 @@ stage attention-kernels 150 python -m examples.benchmarks.attention_kernels --de
 stage decode-latency 330 python -m examples.benchmarks.decode_latency --device cuda \
   --preset 1b --dtype bfloat16 --batch-sizes 1 8 64 --cache-dir "$CACHE" \
   --modes eager full_and_piecewise piecewise full_decode_only --json "$OUT/decode_latency.json"
+# Tensor parallelism: a real NCCL all-reduce per layer (a size-1 group on one GPU) traced and
+# captured in piecewise and full graphs, logits against eager; world size 2 runs only where two
+# GPUs are (else skipped, saying so). The small preset keeps three modes' compiles inside 90 s.
+stage tensor-parallel 90 python -m examples.benchmarks.tensor_parallel --device cuda \
+  --preset small --dtype bfloat16 --modes full_and_piecewise piecewise full \
+  --cache-dir "$CACHE" --json "$OUT/tensor_parallel.json"
 if [ $((SECONDS + PROFILE_S)) -le "$BUDGET_S" ]; then
   stage decode-profile "$PROFILE_S" python -m examples.benchmarks.decode_latency --device cuda \
     --preset 1b --dtype bfloat16 --batch-sizes 1 64 --modes piecewise full_and_piecewise \

@@ -114,6 +114,7 @@ def init_tensor_parallel(group: dist.ProcessGroup | None = None, *,
     if not timeout_s > 0:
         raise ConfigError("tensor_parallel", f"timeout_s must be > 0, got {timeout_s!r}")
     group = group or dist.group.WORLD
+    _forget_destroyed()
     if _recorded:
         if _recorded[0].group is not group:
             raise ConfigError("tensor_parallel", "a tensor-parallel group was already recorded "
@@ -128,12 +129,20 @@ def init_tensor_parallel(group: dist.ProcessGroup | None = None, *,
 
 def tensor_parallel_group() -> TensorParallelGroup:
     """The process's TP group: the recorded one, else WORLD once torch.distributed is
-    initialised (recorded then), else size 1."""
+    initialised (recorded then), else size 1. A group recorded before `destroy_process_group`
+    is forgotten."""
+    _forget_destroyed()
     if _recorded:
         return _recorded[0]
-    if dist.is_available() and dist.is_initialized():
-        return init_tensor_parallel()
-    return _SINGLE
+    initialised = dist.is_available() and dist.is_initialized()
+    return init_tensor_parallel() if initialised else _SINGLE
+
+
+def _forget_destroyed() -> None:
+    """Forget a recorded group that `destroy_process_group` has ended."""
+    if _recorded and not (dist.is_initialized()
+                          and _recorded[0].group in dist.distributed_c10d._world.pg_map):
+        _recorded.clear()
 
 
 def reset_tensor_parallel() -> None:

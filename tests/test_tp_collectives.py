@@ -90,3 +90,16 @@ def test_traced_collectives_match_eager(tmp_path):
         assert got["ops"] == ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor",
                               "wait_tensor"]
         torch.testing.assert_close(got["compiled"], got["eager"], rtol=0, atol=0)
+
+
+def test_a_destroyed_group_is_forgotten(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        recorded = tp.tensor_parallel_group()
+        assert (recorded.world_size, recorded.backend) == (1, "gloo")
+        x = torch.ones(2)
+        assert tp.all_reduce(x) is x  # size 1: the identity, even with a group
+    finally:
+        dist.destroy_process_group()
+    assert tp.tensor_parallel_group().group is None

@@ -131,13 +131,32 @@ def test_the_loader_and_sharding_a_built_model_cut_the_same_parts(model_class, c
             assert torch.equal(sharded[name], seeded[name]), name
 
 
-def test_biases_are_cut_with_columns_and_added_once_after_rows():
+def random_state_dict(model_class, config: dict, seed: int = 0) -> dict:
+    """Full HF weights, seeded, with random (not zero) biases."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(t.shape, generator=generator) * 0.1 if name.endswith(".bias") else t
+            for name, t in model_class.from_hf(config, seed=seed).state_dict().items()}
+
+
+def test_biases_are_cut_with_columns_and_kept_whole_with_rows():
     config = {**LLAMA, "attention_bias": True}
-    full = Llama.from_hf(config, {k: torch.randn_like(v) for k, v in
-                                  Llama.from_hf(config).state_dict().items()})
-    attn = shard_model(full, fake(1)).model.layers[0].self_attn
-    assert attn.q_proj.bias.shape == (32,) and attn.k_proj.bias.shape == (16,)
-    assert attn.o_proj.bias.shape == (64,)  # whole: the row-parallel sum gets it once
+    state_dict = random_state_dict(Llama, config)
+    p = "model.layers.0.self_attn."
+    for rank in range(2):
+        attn = Llama.from_hf(config, state_dict, tp=fake(rank)).model.layers[0].self_attn
+        assert torch.equal(attn.q_proj.bias, cut(state_dict[p + "q_proj.bias"], 0, rank, 2))
+        assert torch.equal(attn.k_proj.bias, cut(state_dict[p + "k_proj.bias"], 0, rank, 2))
+        # Whole: the row-parallel sum adds it once.
+        assert torch.equal(attn.o_proj.bias, state_dict[p + "o_proj.bias"])
+
+
+def test_a_tensor_of_the_wrong_unsharded_shape_is_refused():
+    state_dict = dict(Llama.from_hf(LLAMA).state_dict())
+    name = "model.layers.1.self_attn.k_proj.weight"
+    state_dict[name] = torch.zeros(48, 64)  # would still hold rank 0's 16 rows
+    with pytest.raises(ValueError, match=rf"{name}: expected the unsharded shape \(32, 64\), "
+                                         r"got \(48, 64\)"):
+        Llama.from_hf(LLAMA, state_dict, tp=fake(0))
 
 
 def test_size_one_builds_the_very_same_modules():
@@ -202,13 +221,13 @@ def _generate(runner) -> dict:
                        for name, cache in runner.kv_caches.items()}}
 
 
-def _rank_modes(rank: int, kind: str, config: dict, modes: tuple, piece_compiler: str,
-                cache_dir: str | None) -> dict:
+def _rank_modes(rank: int, kind: str, config: dict, state_dict: dict | None, modes: tuple,
+                piece_compiler: str, cache_dir: str | None) -> dict:
     from kvgraph.distributed import tensor_parallel_group
 
     results = {}
     for mode in modes:
-        model = MODELS[kind].from_hf(config, tp=tensor_parallel_group())
+        model = MODELS[kind].from_hf(config, state_dict, tp=tensor_parallel_group())
         runner = _runner(model, mode, piece_compiler, cache_dir)
         runner.capture()
         results[mode] = _generate(runner)
@@ -218,8 +237,8 @@ def _rank_modes(rank: int, kind: str, config: dict, modes: tuple, piece_compiler
     return results
 
 
-def _reference(kind: str, config: dict) -> dict:
-    runner = _runner(MODELS[kind].from_hf(config), "eager")
+def _reference(kind: str, config: dict, state_dict: dict | None) -> dict:
+    runner = _runner(MODELS[kind].from_hf(config, state_dict), "eager")
     try:
         return _generate(runner)
     finally:
@@ -235,11 +254,13 @@ def _cache_part(kind: str, config: dict, rank: int, cache: tuple) -> tuple:
     return tuple(t[:, :, first:first + count] for t in cache)
 
 
-def assert_ranks_match_one_process(kind, config, tmp_path, modes=MODES,
+def assert_ranks_match_one_process(kind, config, tmp_path, state_dict=None, modes=MODES,
                                    piece_compiler="eager", cache_dir=None):
-    want = _reference(kind, config)
+    """Every rank's greedy tokens, logits and cache part equal one process's (TP=1, eager);
+    the ranks' logits equal each other's bit for bit. `state_dict`: else seeded weights."""
+    want = _reference(kind, config, state_dict)
     ranks = run_ranks(_rank_modes, tmp_path,
-                      args=(kind, config, modes, piece_compiler, cache_dir))
+                      args=(kind, config, state_dict, modes, piece_compiler, cache_dir))
     for mode in modes:
         got = [ranks[r][mode] for r in range(2)]
         for rank, result in enumerate(got):
@@ -261,8 +282,10 @@ def test_two_ranks_generate_what_one_process_does(kind, config, tmp_path):
     assert_ranks_match_one_process(kind, config, tmp_path)
 
 
-def test_two_ranks_with_one_replicated_kv_head(tmp_path):
-    assert_ranks_match_one_process("llama", LLAMA_ONE_KV_HEAD, tmp_path,
+def test_two_ranks_with_one_replicated_kv_head_and_biases(tmp_path):
+    # Loaded weights with random biases: column biases cut, the row bias added once.
+    config = {**LLAMA_ONE_KV_HEAD, "attention_bias": True}
+    assert_ranks_match_one_process("llama", config, tmp_path, random_state_dict(Llama, config),
                                    modes=("eager", "full_and_piecewise"))
 
 

@@ -113,7 +113,11 @@ def join_group(rendezvous: Rendezvous, device: str, timeout_s: float,
         dist.init_process_group(BACKENDS[kind], store=store, rank=rendezvous.rank,
                                 world_size=rendezvous.world_size, timeout=timeout)
     set_compute_threads(rendezvous)
-    return kvgraph_tp.init_tensor_parallel(timeout_s=timeout_s)
+    tp = kvgraph_tp.init_tensor_parallel(timeout_s=timeout_s)
+    # Made now, while every rank is there: making a group waits on the store, which does not
+    # notice a rank that died (a collective on a made group does, at once).
+    tp.cpu_group
+    return tp
 
 
 def set_compute_threads(rendezvous: Rendezvous) -> int:

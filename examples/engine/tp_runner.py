@@ -21,10 +21,12 @@ Failures:
 from __future__ import annotations
 
 import logging
+import pickle
 import signal
 from datetime import timedelta
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -40,6 +42,13 @@ STEP, STOP = "step", "stop"
 # How long a worker waits for rank 0's next message. A server may sit idle for days, so this
 # is no deadline: a rank 0 that dies closes its sockets and the wait fails at once.
 IDLE_TIMEOUT = timedelta(days=365)
+# Bytes of a message that go in its first broadcast (a decode step of 64 requests of 57 blocks
+# each takes ~11 KiB); a longer one (a long prefill's tokens) takes a second. The length
+# before them takes LENGTH_BYTES.
+MESSAGE_BYTES = 32 * 1024
+LENGTH_BYTES = 8
+# How much of a peer's error message goes into a RankFailed's.
+BRIEF_CHARS = 160
 
 
 class RankFailed(EngineDeadError):
@@ -57,11 +66,18 @@ class RankFailed(EngineDeadError):
 class Workers(Protocol):
     """What rank 0 needs of the ranks it spawned (tp_workers.WorkerProcesses)."""
 
+    pids: dict[int, int]
+
     def first_dead(self, wait_s: float = 0.0) -> tuple[int, int] | None: ...
 
-    def pid(self, rank: int) -> int | None: ...
-
     def stop(self) -> dict[int, int | None]: ...
+
+
+def brief(error: BaseException) -> str:
+    """`Type: first line of the message`, at most BRIEF_CHARS of it (gloo's run long)."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(error).__name__}: {text[:BRIEF_CHARS]}{'...' if len(text) > BRIEF_CHARS else ''}"
 
 
 def exit_description(exitcode: int) -> str:
@@ -77,9 +93,12 @@ def exit_description(exitcode: int) -> str:
 class StepChannel:
     """Messages from rank 0 to every rank of the TP group: pickled, broadcast on gloo.
 
-    A gloo group of its own, so a message never pairs with a model collective if ranks part
-    ways, and with IDLE_TIMEOUT, so an idle worker waits as long as the server idles. Making
-    it is collective: every rank makes it at the same point.
+    One broadcast per message of up to MESSAGE_BYTES (the length goes in the same buffer as
+    the bytes), a second for the rest of a longer one: a step's host overhead is one round
+    trip, not torch's `broadcast_object_list`'s two. The group is gloo and its own, so a
+    message never pairs with a model collective if ranks part ways, and its timeout is
+    IDLE_TIMEOUT, so an idle worker waits as long as the server idles. Making it is
+    collective: every rank makes it at the same point.
     """
 
     def __init__(self, tp: TensorParallelGroup):
@@ -87,16 +106,33 @@ class StepChannel:
         self._root = ranks[0]
         self._group = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
         self.rank, self.world_size = tp.rank, tp.world_size
+        self._buffer = torch.zeros(LENGTH_BYTES + MESSAGE_BYTES, dtype=torch.uint8)
+        self._bytes = self._buffer.numpy()  # the same memory, written and read as bytes
 
     def send(self, kind: str, payload: Any = None) -> None:
         """Rank 0: broadcast one message to every other rank."""
-        dist.broadcast_object_list([(kind, payload)], src=self._root, group=self._group)
+        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        first = min(len(data), MESSAGE_BYTES)
+        self._bytes[:LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(LENGTH_BYTES, "little"),
+                                                   np.uint8)
+        self._bytes[LENGTH_BYTES:LENGTH_BYTES + first] = np.frombuffer(data, np.uint8, first)
+        self._broadcast(self._buffer)
+        if len(data) > first:
+            self._broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8))
 
     def receive(self) -> tuple[str, Any]:
         """A worker: the next message, `(kind, payload)`, once rank 0 sends it."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=self._root, group=self._group)
-        return box[0]
+        self._broadcast(self._buffer)
+        length = int.from_bytes(self._bytes[:LENGTH_BYTES].tobytes(), "little")
+        data = self._bytes[LENGTH_BYTES:LENGTH_BYTES + min(length, MESSAGE_BYTES)].tobytes()
+        if length > MESSAGE_BYTES:
+            rest = torch.empty(length - MESSAGE_BYTES, dtype=torch.uint8)
+            self._broadcast(rest)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        dist.broadcast(tensor, src=self._root, group=self._group)
 
 
 class TensorParallelRunner:
@@ -114,7 +150,7 @@ class TensorParallelRunner:
                  workers: Workers | None = None, on_close: Callable[[], None] | None = None):
         self._runner = runner
         self._channel = channel
-        self._workers = workers
+        self.workers = workers  # None under torchrun
         self._on_close = on_close
         self._failed: RankFailed | None = None
         self._closed = False
@@ -148,35 +184,33 @@ class TensorParallelRunner:
         except kvgraph.BatchError:
             raise  # refused before any collective, on every rank alike: all go on
         except Exception as error:  # noqa: BLE001 - fatal whatever it is; said so below
-            raise self._fail(f"a model step failed on rank 0 ({type(error).__name__}: "
-                             f"{error})") from error
+            raise self._fail(f"a model step failed on rank 0: {brief(error)}") from error
 
     def _broadcast(self, chunks: list[kvgraph.RequestChunk]) -> None:
-        dead = self._workers.first_dead() if self._workers else None
+        dead = self.workers.first_dead() if self.workers else None
         if dead is not None:
-            raise self._fail("found before a step")
+            raise self._fail("it was found dead before a step")
         try:
             self._channel.send(STEP, chunks)
         except Exception as error:  # noqa: BLE001 - a peer gone mid-broadcast
-            raise self._fail(f"broadcasting a step failed ({error})") from error
+            raise self._fail(f"broadcasting a step failed: {brief(error)}") from error
         self.steps_broadcast += 1
 
     def _fail(self, what: str) -> RankFailed:
         """The fatal error to raise (kept: every later step raises it too), naming the dead
         rank when one of the spawned ones is dead."""
         # The peer's socket closes as it dies, a moment before its exit status is there.
-        dead = self._workers.first_dead(wait_s=2.0) if self._workers else None
+        dead = self.workers.first_dead(wait_s=2.0) if self.workers else None
         if dead is not None:
             rank, code = dead
-            message = (f"tensor-parallel rank {rank} (pid {self._workers.pid(rank)}) died, "
-                       f"{exit_description(code)}; the engine cannot run without it ({what})")
+            message = (f"tensor-parallel rank {rank} (pid {self.workers.pids[rank]}) died, "
+                       f"{exit_description(code)}, and the engine cannot run without it ({what})")
             self._failed = RankFailed(message, rank, code)
         else:
             self._failed = RankFailed(
                 f"{what}; with tensor parallelism a failed step leaves the ranks out of step "
                 "(a collective cannot be taken back), so the engine stops (a worker's log, "
                 "or torchrun's report, says which rank failed)")
-        logger.error("%s", self._failed)
         return self._failed
 
     def stats(self) -> dict[str, Any]:
@@ -198,8 +232,8 @@ class TensorParallelRunner:
             logger.warning("telling the workers to stop failed (%s)", error)
         finally:
             self._runner.close()
-            if self._workers is not None:
-                self._workers.stop()
+            if self.workers is not None:
+                self.workers.stop()
             if self._on_close is not None:
                 self._on_close()
 

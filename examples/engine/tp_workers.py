@@ -35,7 +35,14 @@ from .tp_launch import (
     rank_device,
     torchrun_rendezvous,
 )
-from .tp_runner import RankFailed, StepChannel, TensorParallelRunner, exit_description, follow_steps
+from .tp_runner import (
+    RankFailed,
+    StepChannel,
+    TensorParallelRunner,
+    brief,
+    exit_description,
+    follow_steps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +99,10 @@ class WorkerProcesses:
             proc.start()
             logger.info("spawned tensor-parallel rank %d (pid %d)", rank, proc.pid)
 
-    def pid(self, rank: int) -> int | None:
-        return self._procs[rank].pid
+    @property
+    def pids(self) -> dict[int, int]:
+        """Each worker's process id, by rank."""
+        return {rank: proc.pid for rank, proc in self._procs.items()}
 
     def first_dead(self, wait_s: float = 0.0) -> tuple[int, int] | None:
         """The lowest rank that has exited, with its exit code; None while all live.
@@ -124,7 +133,7 @@ class WorkerProcesses:
             dead = self.first_dead()
             if dead is not None:
                 rank, code = dead
-                raise RankFailed(f"tensor-parallel rank {rank} (pid {self.pid(rank)}) died "
+                raise RankFailed(f"tensor-parallel rank {rank} (pid {self.pids[rank]}) died "
                                  f"during start-up, {exit_description(code)}; its log says why",
                                  rank, code)
             if waiting and time.monotonic() > deadline:
@@ -138,6 +147,8 @@ class WorkerProcesses:
         atexit.unregister(self.stop)
         deadline = time.monotonic() + wait_s
         for rank, proc in self._procs.items():
+            if proc.pid is None:
+                continue  # never started (start-up failed before it)
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 logger.warning("tensor-parallel rank %d (pid %d) did not stop within %.0f s; "
@@ -189,6 +200,5 @@ def _dead_worker(workers: WorkerProcesses | None, error: BaseException) -> RankF
     if dead is None:
         return None
     rank, code = dead
-    return RankFailed(f"tensor-parallel rank {rank} (pid {workers.pid(rank)}) died during "
-                      f"start-up, {exit_description(code)} (rank 0 saw {type(error).__name__}: "
-                      f"{error})", rank, code)
+    return RankFailed(f"tensor-parallel rank {rank} (pid {workers.pids[rank]}) died during "
+                      f"start-up, {exit_description(code)} (rank 0 saw {brief(error)})", rank, code)

@@ -213,7 +213,13 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 def local_part(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of the full (HF) tensor of parameter `name`: `full` where replicated."""
     module, leaf = _owner(model, name)
-    return module.cut(leaf, full) if isinstance(module, ParallelLinear) else full
+    if not isinstance(module, ParallelLinear):
+        return full  # load_state_dict checks its shape
+    # A wrong shape could still hold this rank's slice, so it is refused before cutting.
+    if full.shape != module.full_shape(leaf):
+        raise ValueError(f"{name}: expected the unsharded shape {tuple(module.full_shape(leaf))}, "
+                         f"got {tuple(full.shape)}")
+    return module.cut(leaf, full)
 
 
 def full_shape(model: nn.Module, name: str) -> torch.Size:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -26,11 +28,13 @@ import torch.distributed as dist
 
 import kvgraph
 from examples.engine import AsyncEngine, EngineDeadError, SamplingParams, build_engine
+from examples.engine.step_channel import MESSAGE_BYTES
 from examples.engine.tp_runner import RankFailed, TensorParallelRunner
 from examples.generate import MODELS, parse_args
 from examples.models.llama import Llama
 from examples.models.tensor_parallel import RowParallelLinear
 from kvgraph import distributed as tp
+from tests.test_checkpoint import write_checkpoint
 from tests.test_engine import PROMPTS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,16 +53,26 @@ def tokens(completions) -> list[tuple[int, ...]]:
 
 
 @contextlib.contextmanager
-def tp_engine(*flags: str):
+def threads_kept():
+    """This process's compute threads put back after (rank 0 takes its share of the cores)."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def tp_engine(*flags: str, models=MODELS):
     """An engine whose runner spans two ranks (this process is rank 0); closed after, and this
     process's threads and torch.distributed state put back."""
-    threads = torch.get_num_threads()
-    engine, _ = build_engine(parse_args([*FLAGS, "--tensor-parallel-size", "2", *flags]), MODELS)
-    try:
-        yield engine
-    finally:
-        engine.runner.close()
-        torch.set_num_threads(threads)
+    with threads_kept():
+        args = parse_args([*FLAGS, "--tensor-parallel-size", "2", *flags])
+        engine, _ = build_engine(args, models)
+        try:
+            yield engine
+        finally:
+            engine.runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -84,25 +98,33 @@ def test_two_ranks_generate_the_tokens_of_one_and_stop_when_closed(reference):
         workers = runner.workers
     # close() said stop: the worker left by itself, and this process left the group.
     assert workers.stop() == {1: 0}
+    with pytest.raises(kvgraph.RunnerError, match="closed"):
+        runner.execute([kvgraph.RequestChunk([1], 0, [0])])
     assert not dist.is_initialized()
     assert tp.tensor_parallel_group().world_size == 1
 
 
-def test_a_batch_every_rank_refuses_leaves_the_workers_running(reference):
-    bad = kvgraph.RequestChunk([1, 2, 3], 0, [10**6])  # a block id past the cache
+def test_batches_every_rank_refuses_leave_the_workers_running(reference):
+    bad_block = kvgraph.RequestChunk([1, 2, 3], 0, [10**6])  # a block id past the cache
+    too_long = kvgraph.RequestChunk([1] * 20_000, 0, [0])  # more than its blocks hold
+    assert len(pickle.dumps(too_long)) > MESSAGE_BYTES  # its message goes in two broadcasts
     with tp_engine(*EAGER) as engine:
-        with pytest.raises(kvgraph.BatchError, match="block"):
-            engine.runner.execute([bad])
-        # Both ranks skipped it and go on in step: the next steps' collectives still pair up.
+        for bad, why in ((bad_block, "block"), (too_long, "20000 tokens")):
+            with pytest.raises(kvgraph.BatchError, match=why):
+                engine.runner.execute([bad])
+        # Both ranks skipped them and go on in step: the next steps' collectives still pair up.
         assert tokens(engine.generate(PROMPTS[:2], GREEDY)) == reference[:2]
         assert engine.runner.workers.first_dead() is None
 
 
-def test_a_worker_killed_mid_run_stops_the_engine_naming_its_rank_and_signal():
-    with tp_engine(*EAGER, "--max-model-len", "512") as engine:
+def test_a_worker_killed_mid_run_stops_the_engine_naming_its_rank_and_signal(tmp_path):
+    # A checkpoint dir's model this time: each rank loads its shard of the same files.
+    checkpoint = str(write_checkpoint(tmp_path))
+    with tp_engine(*EAGER, "--max-model-len", "1024", "--model", checkpoint) as engine:
+        assert any(isinstance(m, RowParallelLinear) for m in engine.runner.model.modules())
         pid = engine.runner.workers.pids[1]
-        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
-        long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        threading.Timer(0.5, os.kill, (pid, signal.SIGKILL)).start()
+        long = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)  # seconds of steps
         # Found before a step, by a broadcast or by a model collective: the same error.
         with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) died, killed by SIGKILL") as dead:
             engine.generate(PROMPTS[:2], long)
@@ -113,6 +135,10 @@ def test_a_worker_killed_mid_run_stops_the_engine_naming_its_rank_and_signal():
         assert again.value is dead.value
         start = time.monotonic()
     assert time.monotonic() - start < 10  # closing after a death waits for nobody
+
+
+# A prompt that starts with POISON breaks rank 1's step; BROKEN_SEED breaks its start-up.
+POISON, BROKEN_SEED = 255, 13
 
 
 class RankOneFaults(Llama):
@@ -132,31 +158,22 @@ class RankOneFaults(Llama):
 
 
 FAULTY = {**MODELS, "faulty": RankOneFaults}
-POISON, BROKEN_SEED = 255, 13
 
 
 def test_a_worker_whose_step_fails_exits_and_rank_0_names_it():
-    threads = torch.get_num_threads()
-    args = parse_args([*FLAGS, *EAGER, "--tensor-parallel-size", "2", "--model", "faulty"])
-    engine, _ = build_engine(args, FAULTY)
-    try:
+    with tp_engine(*EAGER, "--model", "faulty", models=FAULTY) as engine:
         engine.add_request([POISON, 1, 2], GREEDY)
         with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) died, exit code 1") as dead:
             engine.step()
         assert dead.value.rank == 1
-    finally:
-        engine.runner.close()
-        torch.set_num_threads(threads)
 
 
 def test_a_worker_that_fails_to_start_is_named_and_nothing_is_left_behind():
-    threads = torch.get_num_threads()
     args = parse_args([*FLAGS, *EAGER, "--tensor-parallel-size", "2", "--model", "faulty",
                        "--seed", str(BROKEN_SEED)])
-    with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) died during start-up, exit "
-                       r"code 1 \(rank 0 saw "):
+    with threads_kept(), pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) died during "
+                                       r"start-up, exit code 1 \(rank 0 saw "):
         build_engine(args, FAULTY)
-    torch.set_num_threads(threads)
     assert not dist.is_initialized()
 
 
@@ -193,9 +210,10 @@ def gone_after_two_steps():
 def test_a_broadcast_that_fails_is_fatal_not_one_requests_fault(gone_after_two_steps):
     engine, channel = gone_after_two_steps
     engine.add_request(PROMPTS[3], GREEDY)  # 30 tokens: four prefill steps of 8
-    engine.step(), engine.step()
-    with pytest.raises(EngineDeadError, match="broadcasting a step failed: RuntimeError: Connection closed"
-                       ".*torchrun's report"):
+    engine.step()
+    engine.step()
+    with pytest.raises(EngineDeadError, match="broadcasting a step failed: RuntimeError: "
+                       "Connection closed.*torchrun's report"):
         engine.step()
     assert (engine.num_failed, engine.num_step_retries) == (0, 0)
     engine.runner.close()
@@ -226,6 +244,24 @@ def test_the_async_engine_fails_every_request_and_refuses_more_once_dead(gone_af
     assert async_engine.fatal_error is deaths[0]
     for failed in (a, b, later):
         assert "the engine stopped: broadcasting a step failed" in str(failed), failed
+
+
+def test_the_server_answers_500_then_health_503_once_the_engine_died(gone_after_two_steps):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from examples.serve import build_app
+
+    engine, _ = gone_after_two_steps
+    deaths = []
+    with TestClient(build_app(AsyncEngine(engine, on_fatal=deaths.append), "tiny")) as client:
+        assert client.get("/health").status_code == 200
+        answer = client.post("/v1/completions", json={"prompt": "x" * 30, "max_tokens": 2})
+        assert answer.status_code == 500
+        assert "the engine stopped: broadcasting a step failed" in answer.text
+        health = client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "dead"
+    assert len(deaths) == 1
 
 
 # --- flags --------------------------------------------------------------------------------
@@ -262,7 +298,7 @@ def free_port() -> int:
 
 def token_ids(stdout: str) -> list[list[int]]:
     """The token ids generate.py printed, request by request."""
-    return [eval(ids) for ids in re.findall(r"token ids (\[[\d, ]*\])", stdout)]  # noqa: S307
+    return [json.loads(ids) for ids in re.findall(r"token ids (\[[\d, ]*\])", stdout)]
 
 
 GENERATE = [sys.executable, "examples/generate.py", *FLAGS, "--max-new-tokens", "6"]
@@ -289,14 +325,14 @@ def test_the_server_on_two_ranks_answers_like_one():
     bodies = [request_body(i) for i in range(8)]
     answers = []
     for flags in ([], ["--tensor-parallel-size", "2"]):
-        threads = torch.get_num_threads()
-        engine, _ = build_engine(parse_args([*FLAGS, "--max-model-len", "128", *flags]), MODELS)
-        try:
-            with BackgroundServer(build_app(AsyncEngine(engine), "tiny")) as server:
-                answers.append(asyncio.run(complete_all(server.url, bodies)))
-        finally:
-            engine.runner.close()
-            torch.set_num_threads(threads)
+        with threads_kept():
+            engine, _ = build_engine(parse_args([*FLAGS, "--max-model-len", "128", *flags]),
+                                     MODELS)
+            try:
+                with BackgroundServer(build_app(AsyncEngine(engine), "tiny")) as server:
+                    answers.append(asyncio.run(complete_all(server.url, bodies)))
+            finally:
+                engine.runner.close()
     assert answers[1] == answers[0]
 
 

@@ -68,7 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
     group.add_argument("--seed", type=int, default=0, help="seeds random weights and sampling")
-    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int,
+    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
                        help="ranks to shard the model over (default 1, or torchrun's WORLD_SIZE); "
                        "rank 0 spawns the others unless torchrun started them")
     group.add_argument("--distributed-timeout", type=positive_float,

@@ -1,4 +1,5 @@
-"""Each step's batch, broadcast from rank 0 to the worker ranks: both ends of it.
+"""The two ends of each step's broadcast (over step_channel.py): rank 0's runner, the workers'
+loop.
 
 Rank 0's engine runs a `TensorParallelRunner`, which has the `ModelRunner` face the engine
 uses; its `execute(chunks)` broadcasts the chunks, then runs them on rank 0's shard. Every
@@ -21,32 +22,18 @@ Failures:
 from __future__ import annotations
 
 import logging
-import pickle
 import signal
-from datetime import timedelta
 from typing import Any, Callable, Protocol, Sequence
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
 import kvgraph
-from kvgraph.distributed import TensorParallelGroup
 
 from .engine import EngineDeadError
+from .step_channel import STEP, STOP, StepChannel
 
 logger = logging.getLogger(__name__)
 
-# Message kinds on the step channel.
-STEP, STOP = "step", "stop"
-# How long a worker waits for rank 0's next message. A server may sit idle for days, so this
-# is no deadline: a rank 0 that dies closes its sockets and the wait fails at once.
-IDLE_TIMEOUT = timedelta(days=365)
-# Bytes of a message that go in its first broadcast (a decode step of 64 requests of 57 blocks
-# each takes ~11 KiB); a longer one (a long prefill's tokens) takes a second. The length
-# before them takes LENGTH_BYTES.
-MESSAGE_BYTES = 32 * 1024
-LENGTH_BYTES = 8
 # How much of a peer's error message goes into a RankFailed's.
 BRIEF_CHARS = 160
 
@@ -77,7 +64,9 @@ def brief(error: BaseException) -> str:
     """`Type: first line of the message`, at most BRIEF_CHARS of it (gloo's run long)."""
     lines = str(error).strip().splitlines()
     text = lines[0] if lines else ""
-    return f"{type(error).__name__}: {text[:BRIEF_CHARS]}{'...' if len(text) > BRIEF_CHARS else ''}"
+    if len(text) > BRIEF_CHARS:
+        text = text[:BRIEF_CHARS] + "..."
+    return f"{type(error).__name__}: {text}"
 
 
 def exit_description(exitcode: int) -> str:
@@ -90,60 +79,15 @@ def exit_description(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-class StepChannel:
-    """Messages from rank 0 to every rank of the TP group: pickled, broadcast on gloo.
-
-    One broadcast per message of up to MESSAGE_BYTES (the length goes in the same buffer as
-    the bytes), a second for the rest of a longer one: a step's host overhead is one round
-    trip, not torch's `broadcast_object_list`'s two. The group is gloo and its own, so a
-    message never pairs with a model collective if ranks part ways, and its timeout is
-    IDLE_TIMEOUT, so an idle worker waits as long as the server idles. Making it is
-    collective: every rank makes it at the same point.
-    """
-
-    def __init__(self, tp: TensorParallelGroup):
-        ranks = dist.get_process_group_ranks(tp.group)
-        self._root = ranks[0]
-        self._group = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
-        self.rank, self.world_size = tp.rank, tp.world_size
-        self._buffer = torch.zeros(LENGTH_BYTES + MESSAGE_BYTES, dtype=torch.uint8)
-        self._bytes = self._buffer.numpy()  # the same memory, written and read as bytes
-
-    def send(self, kind: str, payload: Any = None) -> None:
-        """Rank 0: broadcast one message to every other rank."""
-        data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
-        first = min(len(data), MESSAGE_BYTES)
-        self._bytes[:LENGTH_BYTES] = np.frombuffer(len(data).to_bytes(LENGTH_BYTES, "little"),
-                                                   np.uint8)
-        self._bytes[LENGTH_BYTES:LENGTH_BYTES + first] = np.frombuffer(data, np.uint8, first)
-        self._broadcast(self._buffer)
-        if len(data) > first:
-            self._broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8))
-
-    def receive(self) -> tuple[str, Any]:
-        """A worker: the next message, `(kind, payload)`, once rank 0 sends it."""
-        self._broadcast(self._buffer)
-        length = int.from_bytes(self._bytes[:LENGTH_BYTES].tobytes(), "little")
-        data = self._bytes[LENGTH_BYTES:LENGTH_BYTES + min(length, MESSAGE_BYTES)].tobytes()
-        if length > MESSAGE_BYTES:
-            rest = torch.empty(length - MESSAGE_BYTES, dtype=torch.uint8)
-            self._broadcast(rest)
-            data += rest.numpy().tobytes()
-        return pickle.loads(data)
-
-    def _broadcast(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(tensor, src=self._root, group=self._group)
-
-
 class TensorParallelRunner:
     """Rank 0's runner: a `ModelRunner` whose every `execute` is broadcast to the workers.
 
     It offers what the engine and the entry points use (`execute`, `limits`, `vocab_size`,
-    `device`, `model`, `hidden_states`, `config`, `kv_caches`, `attn_backend`, `stats`,
+    `device`, `model`, `hidden_states`, `config`, `kv_caches`, `attn_backend`, `tp`, `stats`,
     `close`); nothing else, so nothing can run on rank 0 alone by mistake (a `capture` there
-    would wait forever for the workers' part). Logits are rank 0's: every rank holds the full
-    logits after the replicated lm_head. `close()` tells the workers to stop, then waits for
-    them; `on_close` (leaving the process group) runs last.
+    would wait for the workers' part until the timeout). Logits are rank 0's: every rank holds
+    the full logits after the replicated lm_head. `close()` tells the workers to stop, then
+    waits for them; `on_close` (leaving the process group) runs last.
     """
 
     def __init__(self, runner: kvgraph.ModelRunner, channel: StepChannel,
@@ -166,6 +110,7 @@ class TensorParallelRunner:
     config = property(lambda self: self._runner.config)
     kv_caches = property(lambda self: self._runner.kv_caches)
     attn_backend = property(lambda self: self._runner.attn_backend)
+    tp = property(lambda self: self._runner.tp)
 
     @property
     def world_size(self) -> int:
@@ -176,6 +121,9 @@ class TensorParallelRunner:
 
         A BatchError is the batch's (every rank refused it); any other error is a RankFailed.
         """
+        if self._closed:
+            raise kvgraph.RunnerError("this TensorParallelRunner was closed (its workers "
+                                      "stopped); build a new engine to run the model")
         if self._failed is not None:
             raise self._failed
         self._broadcast(list(chunks))
@@ -251,7 +199,7 @@ def follow_steps(runner: kvgraph.ModelRunner, channel: StepChannel) -> int:
             kind, chunks = channel.receive()
         except Exception as error:  # noqa: BLE001 - rank 0 is gone
             raise RankFailed(f"rank {channel.rank}: rank 0 went away without saying stop "
-                             f"({error})", rank=0) from error
+                             f"({brief(error)})", rank=0) from error
         if kind == STOP:
             return steps
         if kind != STEP:

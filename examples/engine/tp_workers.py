@@ -35,14 +35,8 @@ from .tp_launch import (
     rank_device,
     torchrun_rendezvous,
 )
-from .tp_runner import (
-    RankFailed,
-    StepChannel,
-    TensorParallelRunner,
-    brief,
-    exit_description,
-    follow_steps,
-)
+from .step_channel import StepChannel
+from .tp_runner import RankFailed, TensorParallelRunner, brief, exit_description, follow_steps
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +45,14 @@ logger = logging.getLogger(__name__)
 Build = Callable[[str], Any]
 # Seconds a worker has to exit after being told to stop, before it is killed.
 STOP_WAIT_S = 30.0
+# Seconds the workers have to exit when rank 0's start-up failed (they fail alike), before
+# they are killed.
+STARTUP_STOP_WAIT_S = 5.0
 # Seconds between looks at the store and at the workers while they join.
 POLL_S = 0.05
+# Start-up errors of the flags or the model: every rank raises them alike, before any
+# collective, so rank 0's is the one to report.
+SHARED_ERRORS = (ValueError, LookupError, NotImplementedError, FileNotFoundError)
 
 
 def run_worker(rendezvous: Rendezvous, device: str, timeout_s: float, build: Build) -> int:
@@ -127,20 +127,21 @@ class WorkerProcesses:
         store = dist.FileStore(self.rendezvous.store_path, self.rendezvous.world_size)
         waiting = set(self._procs)
         deadline = time.monotonic() + timeout_s
-        while waiting:
+        while True:
             waiting = {rank for rank in waiting
                        if not store.check([JOINING_KEY.format(rank=rank)])}
+            if not waiting:
+                return store
             dead = self.first_dead()
             if dead is not None:
                 rank, code = dead
                 raise RankFailed(f"tensor-parallel rank {rank} (pid {self.pids[rank]}) died "
                                  f"during start-up, {exit_description(code)}; its log says why",
                                  rank, code)
-            if waiting and time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise RankFailed(f"tensor-parallel ranks {sorted(waiting)} did not start within "
                                  f"{timeout_s:.0f} s (--distributed-timeout)", min(waiting))
-            time.sleep(POLL_S if waiting else 0)
-        return store
+            time.sleep(POLL_S)
 
     def stop(self, wait_s: float = STOP_WAIT_S) -> dict[int, int | None]:
         """Wait up to `wait_s` for every worker to exit, kill the rest; each one's exit code."""
@@ -168,19 +169,19 @@ def start_rank_zero(world_size: int, device: str, timeout_s: float, build: Build
     it alike; anything else, with a worker dead, is that worker's RankFailed.
     """
     rendezvous = torchrun_rendezvous()
+    here = rank_device(device, rendezvous or Rendezvous(0, world_size, 0, world_size))
     workers = None
     try:
         if rendezvous is None:
             workers = WorkerProcesses(world_size, device, timeout_s, build)
             rendezvous = workers.rendezvous
         store = workers.wait_joining(timeout_s) if workers is not None else None
-        here = rank_device(device, rendezvous)
         channel = StepChannel(join_group(rendezvous, here, timeout_s, store))
         built = build(here)
     except BaseException as error:
         dead = _dead_worker(workers, error)
-        if workers is not None:
-            workers.stop(wait_s=0 if dead or not isinstance(error, Exception) else 5)
+        if workers is not None:  # the others may be stuck in a collective with the dead one
+            workers.stop(wait_s=0 if dead else STARTUP_STOP_WAIT_S)
         leave_group()
         if dead is not None and dead is not error:
             raise dead from error
@@ -192,13 +193,12 @@ def _dead_worker(workers: WorkerProcesses | None, error: BaseException) -> RankF
     """The RankFailed to report for a start-up `error`, if a dead worker explains it."""
     if isinstance(error, RankFailed):
         return error
-    if workers is None or isinstance(error, (ValueError, LookupError, NotImplementedError,
-                                             FileNotFoundError)) or \
-            not isinstance(error, Exception):
+    if workers is None or not isinstance(error, Exception) or isinstance(error, SHARED_ERRORS):
         return None
     dead = workers.first_dead(wait_s=2.0)
     if dead is None:
         return None
     rank, code = dead
     return RankFailed(f"tensor-parallel rank {rank} (pid {workers.pids[rank]}) died during "
-                      f"start-up, {exit_description(code)} (rank 0 saw {brief(error)})", rank, code)
+                      f"start-up, {exit_description(code)} (rank 0 saw {brief(error)})",
+                      rank, code)

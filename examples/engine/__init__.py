@@ -5,9 +5,9 @@ template (jinja2) and the server's packages are imported when first needed.
 """
 
 from .async_engine import AsyncEngine
-from .engine import EngineDeadError, LLMEngine
+from .engine import LLMEngine
 from .engine_args import add_engine_args, build_engine, run_if_worker
-from .errors import RequestError, RequestFailed
+from .errors import EngineDeadError, RequestError, RequestFailed
 from .request import Completion, FinishReason, Request, RequestOutput
 from .sampling_params import SamplingParams
 

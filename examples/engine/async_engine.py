@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from .engine import EngineDeadError, LLMEngine
-from .errors import RequestError, RequestFailed
+from .engine import LLMEngine
+from .errors import EngineDeadError, RequestError, RequestFailed
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 

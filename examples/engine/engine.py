@@ -23,7 +23,7 @@ import kvgraph
 
 from .block_allocator import BlockAllocator, blocks_for
 from .detokenizer import Detokenizer
-from .errors import RequestError
+from .errors import EngineDeadError, RequestError
 from .logprobs import TokenLogprobs, batch_logprobs, prompt_logprobs
 from .request import Completion, FinishReason, Request, RequestOutput
 from .sampler import Sampler
@@ -33,11 +33,6 @@ from .scheduler import ScheduledChunk, Scheduler
 logger = logging.getLogger(__name__)
 # A sampled token, or the error sampling it raised.
 Sampled = int | Exception
-
-
-class EngineDeadError(RuntimeError):
-    """An error no request caused, after which the engine cannot step again (a tensor-parallel
-    rank died): `step` raises it instead of failing requests one by one."""
 
 
 class LLMEngine:

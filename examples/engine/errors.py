@@ -1,4 +1,5 @@
-"""The errors a request can end with: refused (which field is wrong, and why), or failed."""
+"""The errors a request can end with: refused (which field is wrong, and why), or failed; and
+the one that ends the engine itself."""
 
 from __future__ import annotations
 
@@ -30,3 +31,8 @@ class ModelNotFound(RequestError):
 
 class RequestFailed(RuntimeError):
     """The engine failed while serving this request (not the others in flight): HTTP 500."""
+
+
+class EngineDeadError(RuntimeError):
+    """An error no request caused, after which the engine cannot step again (a tensor-parallel
+    rank died): `step` raises it instead of failing requests one by one."""

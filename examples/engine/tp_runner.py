@@ -29,7 +29,7 @@ import torch
 
 import kvgraph
 
-from .engine import EngineDeadError
+from .errors import EngineDeadError
 from .step_channel import STEP, STOP, StepChannel
 
 logger = logging.getLogger(__name__)

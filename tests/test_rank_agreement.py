@@ -129,3 +129,30 @@ def test_ranks_share_one_cache_dir_and_sizes_do_not(tmp_path):
     assert single["compile"]["cache_hits"] == 0 and single["compile"]["builds"] > 0
     # TP=1's all-reduce is the identity, so its states are half the two equal ranks' sum.
     torch.testing.assert_close(2 * single["logits"], cold[0]["logits"], rtol=1e-5, atol=1e-5)
+
+
+def _collective_as_splitting_op(rank: int) -> dict:
+    from kvgraph.attention.op_names import ATTENTION_OPS
+    from tests.scenario import BLOCK_SIZE, NUM_BLOCKS, make_model
+
+    logits = {}
+    for name, ops in (("default", ATTENTION_OPS),
+                      ("split", ATTENTION_OPS + ("_c10d_functional::all_reduce",))):
+        model = _Reducing(make_model("llama"), fail=False)
+        config = kvgraph.CompilationConfig(graph_mode="piecewise", piece_compiler="eager",
+                                           capture_sizes=(1, 2, 4), splitting_ops=ops)
+        runner = kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS,
+                                     block_size=BLOCK_SIZE, max_num_tokens=8, max_num_seqs=2)
+        runner.capture()
+        logits[name] = runner.execute([kvgraph.RequestChunk([1, 2, 3], 0, [0])]).clone()
+        pieces = runner._forward.backend.pieces
+        logits[f"{name}-pieces"] = len(pieces)
+        runner.close()
+    return logits
+
+
+def test_a_collective_listed_as_splitting_op_runs_outside_the_graphs(tmp_path):
+    for got in run_ranks(_collective_as_splitting_op, tmp_path):
+        torch.testing.assert_close(got["split"], got["default"], rtol=0, atol=0)
+        # The all-reduce after the last layer cuts the last piece in two.
+        assert got["split-pieces"] == got["default-pieces"] + 1

@@ -103,3 +103,18 @@ def test_a_destroyed_group_is_forgotten(tmp_path):
     finally:
         dist.destroy_process_group()
     assert tp.tensor_parallel_group().group is None
+
+
+@pytest.mark.parametrize("version, refused", [((2, 9, 5), True), ((2, 9, 6), False),
+                                              ((2, 21, 5), False)])
+def test_nccl_too_old_to_capture_is_refused(monkeypatch, version, refused):
+    from kvgraph import GraphError
+
+    monkeypatch.setattr(tp.TensorParallelGroup, "backend", property(lambda self: "nccl"))
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: version)
+    group = tp.TensorParallelGroup(None, 0, 2)
+    if refused:
+        with pytest.raises(GraphError, match=r"NCCL 2\.9\.5 cannot be captured.*>= 2\.9\.6"):
+            group.check_capturable()
+    else:
+        group.check_capturable()

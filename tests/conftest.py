@@ -1,5 +1,6 @@
 """Shared test setup: the `cuda` marker skips without a GPU; the compile cache dir and fresh
-Dynamo state fixtures, and a small tmpfs for full-disk faults. Shared helpers (models, schedules, `dynamo_capture`) are in
+Dynamo state fixtures, a small tmpfs for full-disk faults, and a check that no test leaves
+torch.distributed initialised. Shared helpers (models, schedules, `dynamo_capture`) are in
 tests/scenario.py, the attention references in tests/attention_reference.py."""
 
 import logging
@@ -81,6 +82,17 @@ def captures_never_fail_silently(request):
     logger.removeHandler(handler)
     if "allow_capture_failures" not in request.fixturenames:
         assert not handler.messages, handler.messages
+
+
+@pytest.fixture(autouse=True)
+def tensor_parallel_size_one():
+    """TP=1 is the default path: no test leaves torch.distributed initialised in the test
+    process (two-rank tests spawn their ranks), so every other test runs without it."""
+    yield
+    import torch.distributed as dist
+
+    assert not (dist.is_available() and dist.is_initialized()), \
+        "the test left torch.distributed initialised in the test process"
 
 
 @pytest.fixture

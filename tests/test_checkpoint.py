@@ -51,7 +51,7 @@ def write_checkpoint(path: Path, chat_template: str | None = CHAT_TEMPLATE, seed
         tokenizer_config["chat_template"] = chat_template
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     model = Llama.from_hf(config, seed=seed)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+    save_file(model.hf_state_dict(),
               str(path / "model.safetensors"))
     return path
 

@@ -177,7 +177,7 @@ def test_qwen2_qkv_bias_matches_transformers(tmp_path, tokenizer_dir):
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
     model, _ = load_checkpoint(tmp_path, MODELS, torch.float32, "cpu")
     attention = model.model.layers[0].self_attn
-    assert attention.q_proj.bias is not None and attention.o_proj.bias is None
+    assert attention.qkv_proj.bias is not None and attention.o_proj.bias is None
     assert_matches_hf(tmp_path)
 
 

@@ -209,7 +209,7 @@ def hf_deepseek_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def shapes_of(model) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in model.hf_state_dict().items()}
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -241,7 +241,7 @@ def prompt_logits(model) -> torch.Tensor:
 def test_loading_a_state_dict_reproduces_the_model(model_class, no_cache):
     no_cache()
     source = model_class.from_preset("tiny", seed=1)
-    state_dict = dict(source.state_dict())
+    state_dict = source.hf_state_dict()
     # Some HF checkpoints carry the rotary frequencies; they are recomputed, so ignored.
     state_dict["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
     loaded = model_class.from_hf(model_class.presets["tiny"], state_dict)
@@ -253,7 +253,7 @@ def test_tied_embeddings_load_without_lm_head(no_cache):
     no_cache()
     config = {**LLAMA_PRESETS["tiny"], "tie_word_embeddings": True}
     source = Llama.from_hf(config, seed=1)
-    state_dict = {k: v for k, v in source.state_dict().items() if k != "lm_head.weight"}
+    state_dict = {k: v for k, v in source.hf_state_dict().items() if k != "lm_head.weight"}
     loaded = Llama.from_hf(config, state_dict)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(loaded.lm_head.weight, source.model.embed_tokens.weight)
@@ -267,7 +267,7 @@ def test_tied_embeddings_load_without_lm_head(no_cache):
      "model.layers.0.mlp.extra.weight"),
 ], ids=["missing", "missing-untied-lm-head", "unexpected"])
 def test_state_dict_mismatch_names_the_keys(edit, named):
-    state_dict = dict(Llama.from_preset("tiny").state_dict())
+    state_dict = Llama.from_preset("tiny").hf_state_dict()
     edit(state_dict)
     with pytest.raises(ValueError, match=named.replace(".", r"\.")):
         Llama.from_hf(LLAMA_PRESETS["tiny"], state_dict)
@@ -311,9 +311,9 @@ def test_deepseek_config_with_experts_but_only_dense_layers_is_accepted():
 def expanded_mla(self, positions, hidden):
     """Stands in for `DeepseekMLAAttention.forward`: HF's form, per-head keys and values."""
     num_tokens = hidden.shape[0]
-    query = self._query(hidden).view(num_tokens, self.heads, -1)
-    q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
-    kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope_dim], dim=-1)
+    query, kv_a = self._query_and_latent(hidden)
+    q_nope, q_pe = query.view(num_tokens, self.heads, -1).split([self.nope_dim, self.rope_dim], -1)
+    kv_c, k_pe = kv_a.split([self.rank, self.rope_dim], dim=-1)
     kv = self.kv_b_proj(self.kv_a_layernorm(kv_c)).view(num_tokens, self.heads, -1)
     k_nope, value = kv.split([self.nope_dim, self.v_dim], dim=-1)
     q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None])

@@ -7,9 +7,11 @@ from torch import nn
 
 import kvgraph
 from examples.models.deepseek_mla import DeepseekMLA
+from examples.models.layers import MergedLinear
 from examples.models.llama import Llama
 from examples.models.tensor_parallel import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
     ParallelLinear,
     RowParallelLinear,
     shard_model,
@@ -25,9 +27,9 @@ LLAMA = Llama.presets["tiny"]
 LLAMA_ONE_KV_HEAD = {**LLAMA, "num_key_value_heads": 1}
 MLA = DeepseekMLA.presets["tiny"]
 MODELS = {"llama": Llama, "deepseek_mla": DeepseekMLA}
-# The graphs each mode's steps must have replayed (the CPU's torch_native backend turns "full"
-# into "full_and_piecewise": it captures attention for uniform decode only).
-GRAPHS_REPLAYED = {"piecewise": {"piecewise"}, "full": {"full", "piecewise"},
+# The graphs each mode's steps must have replayed (the CPU's default backend, cpu_paged,
+# captures every batch, so "full" runs full graphs only).
+GRAPHS_REPLAYED = {"piecewise": {"piecewise"}, "full": {"full"},
                    "full_decode_only": {"full"}, "full_and_piecewise": {"full", "piecewise"}}
 
 
@@ -40,6 +42,16 @@ def cut(tensor: torch.Tensor, dim: int, rank: int, parts: int) -> torch.Tensor:
     return tensor.chunk(parts, dim)[rank]
 
 
+def qkv(attn: nn.Module, leaf: str = "weight") -> tuple[torch.Tensor, ...]:
+    """An attention module's q, k and v parts of its merged `qkv_proj` parameter `leaf`."""
+    return getattr(attn.qkv_proj, leaf).split(part_sizes(attn.qkv_proj))
+
+
+def part_sizes(merged: MergedLinear) -> list[int]:
+    """The output features of each part a merged linear holds, in order."""
+    return [part.size for part in merged.parts]
+
+
 # --- the rules, on a fake group ---------------------------------------------------------------
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -47,25 +59,27 @@ def test_llama_shards_by_heads_columns_and_rows(rank):
     full = Llama.from_hf(LLAMA, seed=3)
     model = Llama.from_hf(LLAMA, seed=3, tp=fake(rank))
     attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
-    whole = full.state_dict()
+    whole, local = full.hf_state_dict(), model.hf_state_dict()
     p = "model.layers.1."
-    expected = {  # 4 heads and 2 KV heads of 16, intermediate 128, over 2 ranks
-        "self_attn.q_proj": (ColumnParallelLinear, 0), "self_attn.k_proj": (ColumnParallelLinear, 0),
-        "self_attn.v_proj": (ColumnParallelLinear, 0), "self_attn.o_proj": (RowParallelLinear, 1),
-        "mlp.gate_proj": (ColumnParallelLinear, 0), "mlp.up_proj": (ColumnParallelLinear, 0),
-        "mlp.down_proj": (RowParallelLinear, 1),
+    kinds = {"self_attn.qkv_proj": MergedColumnParallelLinear,
+             "self_attn.o_proj": RowParallelLinear,
+             "mlp.gate_up_proj": MergedColumnParallelLinear, "mlp.down_proj": RowParallelLinear}
+    for name, kind in kinds.items():
+        assert type(model.get_submodule(p + name)) is kind, name
+    dims = {  # 4 heads and 2 KV heads of 16, intermediate 128, over 2 ranks
+        "self_attn.q_proj": 0, "self_attn.k_proj": 0, "self_attn.v_proj": 0,
+        "self_attn.o_proj": 1, "mlp.gate_proj": 0, "mlp.up_proj": 0, "mlp.down_proj": 1,
     }
-    for name, (kind, dim) in expected.items():
-        module = model.get_submodule(p + name)
-        assert type(module) is kind, name
-        assert torch.equal(module.weight, cut(whole[p + name + ".weight"], dim, rank, 2)), name
+    for name, dim in dims.items():
+        name = p + name + ".weight"
+        assert torch.equal(local[name], cut(whole[name], dim, rank, 2)), name
     assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)
-    assert attn.q_proj.weight.shape == (32, 64) and attn.k_proj.weight.shape == (16, 64)
+    assert part_sizes(attn.qkv_proj) == [32, 16, 16] and part_sizes(mlp.gate_up_proj) == [64, 64]
     assert mlp.down_proj.weight.shape == (64, 64)
     replicated = ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                   p + "input_layernorm.weight"]
     for name in replicated:
-        assert torch.equal(model.state_dict()[name], whole[name]), name
+        assert torch.equal(local[name], whole[name]), name
     assert kvgraph.kv_cache_specs(model, BLOCK_SIZE, torch.float32)[p + "self_attn.attn"] == \
         kvgraph.AttentionSpec(BLOCK_SIZE, 1, 16, torch.float32)
 
@@ -74,10 +88,11 @@ def test_llama_shards_by_heads_columns_and_rows(rank):
 def test_a_kv_head_is_replicated_when_there_are_fewer_than_ranks(rank):
     full = Llama.from_hf(LLAMA_ONE_KV_HEAD)
     model = Llama.from_hf(LLAMA_ONE_KV_HEAD, tp=fake(rank))
-    attn, whole = model.model.layers[0].self_attn, full.model.layers[0].self_attn
-    assert torch.equal(attn.k_proj.weight, whole.k_proj.weight)
-    assert torch.equal(attn.v_proj.weight, whole.v_proj.weight)
-    assert torch.equal(attn.q_proj.weight, cut(whole.q_proj.weight, 0, rank, 2))
+    (q, k, v), (whole_q, whole_k, whole_v) = (qkv(m.model.layers[0].self_attn)
+                                              for m in (model, full))
+    assert torch.equal(k, whole_k) and torch.equal(v, whole_v)
+    assert torch.equal(q, cut(whole_q, 0, rank, 2))
+    attn = model.model.layers[0].self_attn
     assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)
 
 
@@ -86,33 +101,60 @@ def test_kv_heads_replicated_by_rank_groups():
     assert [shard_units(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
     assert [shard_units(8, r, 4) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
     config = {**LLAMA, "num_attention_heads": 8, "head_dim": 8, "num_key_value_heads": 2}
-    full = Llama.from_hf(config).model.layers[0].self_attn
+    full_q, full_k, full_v = qkv(Llama.from_hf(config).model.layers[0].self_attn)
     for rank in range(4):
         attn = Llama.from_hf(config, tp=fake(rank, 4)).model.layers[0].self_attn
-        assert torch.equal(attn.k_proj.weight, full.k_proj.weight[rank // 2 * 8:][:8])
-        assert torch.equal(attn.q_proj.weight, cut(full.q_proj.weight, 0, rank, 4))
+        q, k, v = qkv(attn)
+        assert torch.equal(k, full_k[rank // 2 * 8:][:8])
+        assert torch.equal(v, full_v[rank // 2 * 8:][:8])
+        assert torch.equal(q, cut(full_q, 0, rank, 4))
         assert (attn.attn.num_heads, attn.attn.num_kv_heads) == (2, 1)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_merged_linears_hold_each_parts_share_in_order(kv_heads):
+    """Rank r's qkv_proj computes [q_r, k_r, v_r] (k, v whole when replicated), its gate_up_proj
+    [gate_r, up_r]: the matching slices of the unsharded merged outputs."""
+    config = {**LLAMA, "num_key_value_heads": kv_heads, "attention_bias": True}
+    state_dict = random_state_dict(Llama, config)
+    full = Llama.from_hf(config, state_dict).model.layers[0]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    full_q, full_k, full_v = full.self_attn.qkv_proj(x).split([64, 16 * kv_heads, 16 * kv_heads],
+                                                              -1)
+    full_gate, full_up = full.mlp.gate_up_proj(x).chunk(2, -1)
+    for rank in range(2):
+        layer = Llama.from_hf(config, state_dict, tp=fake(rank)).model.layers[0]
+        q, k, v = layer.self_attn.qkv_proj(x).split(part_sizes(layer.self_attn.qkv_proj), -1)
+        kv_cut = (lambda t: cut(t, 1, rank, 2)) if kv_heads == 2 else (lambda t: t)
+        for got, want in [(q, cut(full_q, 1, rank, 2)), (k, kv_cut(full_k)),
+                          (v, kv_cut(full_v))]:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        gate, up = layer.mlp.gate_up_proj(x).split(part_sizes(layer.mlp.gate_up_proj), -1)
+        torch.testing.assert_close(gate, cut(full_gate, 1, rank, 2), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(up, cut(full_up, 1, rank, 2), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 32])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_mla_shards_heads_and_replicates_the_latent(rank, q_lora_rank):
     config = {**MLA, "q_lora_rank": q_lora_rank}
-    whole = DeepseekMLA.from_hf(config).state_dict()
+    whole = DeepseekMLA.from_hf(config).hf_state_dict()
     model = DeepseekMLA.from_hf(config, tp=fake(rank))
+    local = model.hf_state_dict()
     attn = model.model.layers[0].self_attn
     assert attn.heads == attn.attn.num_heads == 2
     p = "model.layers.0.self_attn."
     split = {"kv_b_proj": 0, "o_proj": 1, ("q_proj" if q_lora_rank is None else "q_b_proj"): 0}
     for name, dim in split.items():
-        assert torch.equal(model.state_dict()[p + name + ".weight"],
+        assert torch.equal(local[p + name + ".weight"],
                            cut(whole[p + name + ".weight"], dim, rank, 2)), name
+    # The latent projections (with a low-rank query, merged as fused_qkv_a_proj) stay whole.
+    latent = "kv_a_proj_with_mqa" if q_lora_rank is None else "fused_qkv_a_proj"
+    assert type(attn.get_submodule(latent)) is (nn.Linear if q_lora_rank is None else MergedLinear)
     replicated = ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"]
     replicated += [] if q_lora_rank is None else ["q_a_proj.weight", "q_a_layernorm.weight"]
     for name in replicated:
-        assert type(model.get_submodule(p + name.rpartition(".")[0])) in (nn.Linear,
-                                                                             type(attn.kv_a_layernorm))
-        assert torch.equal(model.state_dict()[p + name], whole[p + name]), name
+        assert torch.equal(local[p + name], whole[p + name]), name
     assert kvgraph.kv_cache_specs(model, BLOCK_SIZE, torch.float32)[p + "attn"] == \
         kvgraph.MLASpec(BLOCK_SIZE, 32, 8, torch.float32)
 
@@ -120,11 +162,11 @@ def test_mla_shards_heads_and_replicates_the_latent(rank, q_lora_rank):
 @pytest.mark.parametrize("model_class, config", [(Llama, LLAMA), (DeepseekMLA, MLA)])
 def test_the_loader_and_sharding_a_built_model_cut_the_same_parts(model_class, config):
     source = model_class.from_hf(config, seed=5)
-    state_dict = dict(source.state_dict())
+    state_dict = source.hf_state_dict()
     for rank in range(2):
-        loaded = model_class.from_hf(config, state_dict, tp=fake(rank)).state_dict()
-        seeded = model_class.from_hf(config, seed=5, tp=fake(rank)).state_dict()
-        sharded = shard_model(model_class.from_hf(config, seed=5), fake(rank)).state_dict()
+        loaded = model_class.from_hf(config, state_dict, tp=fake(rank)).hf_state_dict()
+        seeded = model_class.from_hf(config, seed=5, tp=fake(rank)).hf_state_dict()
+        sharded = shard_model(model_class.from_hf(config, seed=5), fake(rank)).hf_state_dict()
         assert loaded.keys() == seeded.keys() == sharded.keys() == state_dict.keys()
         for name in state_dict:
             assert torch.equal(loaded[name], seeded[name]), name
@@ -135,7 +177,7 @@ def random_state_dict(model_class, config: dict, seed: int = 0) -> dict:
     """Full HF weights, seeded, with random (not zero) biases."""
     generator = torch.Generator().manual_seed(seed)
     return {name: torch.randn(t.shape, generator=generator) * 0.1 if name.endswith(".bias") else t
-            for name, t in model_class.from_hf(config, seed=seed).state_dict().items()}
+            for name, t in model_class.from_hf(config, seed=seed).hf_state_dict().items()}
 
 
 def test_biases_are_cut_with_columns_and_kept_whole_with_rows():
@@ -144,14 +186,16 @@ def test_biases_are_cut_with_columns_and_kept_whole_with_rows():
     p = "model.layers.0.self_attn."
     for rank in range(2):
         attn = Llama.from_hf(config, state_dict, tp=fake(rank)).model.layers[0].self_attn
-        assert torch.equal(attn.q_proj.bias, cut(state_dict[p + "q_proj.bias"], 0, rank, 2))
-        assert torch.equal(attn.k_proj.bias, cut(state_dict[p + "k_proj.bias"], 0, rank, 2))
+        q, k, v = qkv(attn, "bias")
+        assert torch.equal(q, cut(state_dict[p + "q_proj.bias"], 0, rank, 2))
+        assert torch.equal(k, cut(state_dict[p + "k_proj.bias"], 0, rank, 2))
+        assert torch.equal(v, cut(state_dict[p + "v_proj.bias"], 0, rank, 2))
         # Whole: the row-parallel sum adds it once.
         assert torch.equal(attn.o_proj.bias, state_dict[p + "o_proj.bias"])
 
 
 def test_a_tensor_of_the_wrong_unsharded_shape_is_refused():
-    state_dict = dict(Llama.from_hf(LLAMA).state_dict())
+    state_dict = Llama.from_hf(LLAMA).hf_state_dict()
     name = "model.layers.1.self_attn.k_proj.weight"
     state_dict[name] = torch.zeros(48, 64)  # would still hold rank 0's 16 rows
     with pytest.raises(ValueError, match=rf"{name}: expected the unsharded shape \(32, 64\), "

@@ -87,7 +87,7 @@ def hf_model(llama: Llama, args):
     config = transformers.LlamaConfig(**PRESETS[args.preset])
     with torch.device(args.device):  # built where it runs: random init there is fast
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=args.torch_dtype)
-    model.load_state_dict(llama.state_dict())
+    model.load_state_dict(llama.hf_state_dict())
     return model.eval().requires_grad_(False)
 
 

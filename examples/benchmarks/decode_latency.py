@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def measure(args: argparse.Namespace, llama: Llama) -> Iterator[dict[str, Any]]:
     """Every requested row, in turn; kvgraph's first mode (eager by default) is the reference
     whose greedy tokens every other row is compared with."""
-    weights = llama.state_dict()
+    weights = llama.hf_state_dict()
     reference: dict[int, decode_runner.Decoded] = {}
     for mode in args.modes:
         yield decode_runner.measure_mode(args, mode, weights, reference)
@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"machine": machine(args.device), "args": vars(args), "complete": False,
                "results": []}
     if args.profile:
-        rows = (decode_runner.profile_mode(args, mode, llama.state_dict()) for mode in args.modes)
+        weights = llama.hf_state_dict()
+        rows = (decode_runner.profile_mode(args, mode, weights) for mode in args.modes)
     else:
         rows = measure(args, llama)
     for row in rows:

@@ -4,8 +4,9 @@ What a user gets without kvgraph (gpt-fast's recipe): each layer owns a cache bu
 `[batch, kv_heads, max_len, head_dim]`, written with `index_copy_` at the step's positions, and
 SDPA reads every cache row under a causal mask. One buffer per layer, not slices of one
 `[layers, ...]` tensor: inductor copied a whole 5-D cache every step to write one slice of it.
-Module tree and parameter names are HF's (and the example Llama's), so
-`load_state_dict(llama.state_dict())` gives the same weights.
+Module tree and parameter names are the example Llama's (HF's, with q/k/v and gate/up each one
+matmul, as gpt-fast and vLLM run them), so `load_state_dict(llama.state_dict())` gives the same
+weights.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from examples.models.layers import MLP, RMSNorm, RotaryEmbedding
+from examples.models.layers import MLP, MergedLinear, RMSNorm, RotaryEmbedding
 from examples.models.llama import LlamaConfig
 
 
@@ -26,9 +27,10 @@ class StaticAttention(nn.Module):
         heads, kv_heads, head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                      config.head_dim)
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.qkv_proj = MergedLinear(config.hidden_size, {
+            "q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
+            "v_proj": kv_heads * head_dim,
+        }, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
         self.rotary_emb = RotaryEmbedding(head_dim, config.rope)
         # Buffers, not parameters: torch.compile treats them as static inputs mutated in place.
@@ -51,10 +53,12 @@ class StaticAttention(nn.Module):
                 mask: torch.Tensor) -> torch.Tensor:
         """`hidden [B, T, hidden]` at `positions [T]`; `mask [T, max_len]` (True: attend)."""
         batch, tokens, _ = hidden.shape
-        query = self.q_proj(hidden).view(batch * tokens, self.heads, self.head_dim)
-        key = self.k_proj(hidden).view(batch * tokens, self.kv_heads, self.head_dim)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], -1)
+        query = query.view(batch * tokens, self.heads, self.head_dim)
+        key = key.view(batch * tokens, self.kv_heads, self.head_dim)
         query, key = self.rotary_emb(positions.repeat(batch), query, key)
-        value = self.v_proj(hidden).view(batch, tokens, self.kv_heads, self.head_dim)
+        value = value.view(batch, tokens, self.kv_heads, self.head_dim)
         key = key.view(batch, tokens, self.kv_heads, self.head_dim)
         self.key_cache.index_copy_(2, positions, key.transpose(1, 2))
         self.value_cache.index_copy_(2, positions, value.transpose(1, 2))

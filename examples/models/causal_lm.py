@@ -1,8 +1,9 @@
 """The decoder-only skeleton both example models share: HF module tree, config, weights.
 
 A model subclasses `CausalLM` and supplies its config class, its attention module and its
-presets; everything else (the module tree Hugging Face checkpoints expect, building from a
-`config.json` dict, loading a state dict or seeding random weights) lives here once.
+presets; everything else (HF's module tree, its merged linears aside; building from a
+`config.json` dict; loading or exporting a HF-named state dict, or seeding random weights)
+lives here once.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from torch import nn
 
 from kvgraph.distributed import TensorParallelGroup
 
+from .hf_layout import hf_tensors, merged_names
 from .layers import MLP, RMSNorm
 from .rope import DEFAULT_MAX_POSITION_EMBEDDINGS, RopeParameters
-from .tensor_parallel import full_shape, local_part, shard_model
+from .tensor_parallel import shard_model
 
 # Standard deviation of seeded random weights: small enough that activations stay sane.
 INIT_STD = 0.02
@@ -127,7 +129,8 @@ class CausalLM(nn.Module):
 
     Subclasses set `config_class`, `attention_class` (called as `attention_class(config,
     prefix)`) and `presets` (name -> HF config dict). The module tree mirrors HF's
-    `*ForCausalLM`, so a HF state dict loads under its own names.
+    `*ForCausalLM` but for merged linears (`qkv_proj`, `gate_up_proj`, ...), so `state_dict()`
+    has module-tree names; `load_hf_state_dict` and `hf_state_dict` speak HF's names.
     """
 
     config_class: ClassVar[type[DecoderConfig]]
@@ -197,35 +200,55 @@ class CausalLM(nn.Module):
     def init_random(self, seed: int) -> None:
         """Seeded weights, identical on every device and dtype: N(0, INIT_STD), norm scales 1.
 
-        A sharded model gets its part of the unsharded model's weights: each full tensor is drawn
-        (so the generator advances as it does unsharded) and cut.
+        One draw per HF tensor, in the model's parameter order, a merged linear's parts in
+        turn: where HF's module tree has those parts side by side (Llama's q/k/v and gate/up),
+        the weights are those of an unmerged model. A sharded model gets its part of the
+        unsharded model's weights: each full tensor is drawn (so the generator advances as it
+        does unsharded) and cut.
         """
         generator = torch.Generator().manual_seed(seed)
-        for name, param in self.named_parameters():
+        for name, tensor in hf_tensors(self, remove_duplicate=True).items():
             if name.endswith("norm.weight"):  # every RMSNorm scale's HF name ends so
-                param.fill_(1.0)
+                tensor.target.fill_(1.0)
             elif name.endswith(".bias"):
-                param.zero_()
+                tensor.target.zero_()
             else:
-                full = torch.randn(full_shape(self, name), generator=generator) * INIT_STD
-                param.copy_(local_part(self, name, full))
+                full = torch.randn(tensor.full_shape, generator=generator) * INIT_STD
+                tensor.target.copy_(tensor.local_part(name, full))
 
     @torch.no_grad()
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load HF-named weights; a ValueError naming every missing or unexpected key.
+        """Load HF-named weights; a ValueError naming every missing or unexpected key, or a
+        tensor of the wrong shape.
 
-        The tensors are the full (unsharded) ones: a sharded model takes its part of each.
+        The tensors are the full (unsharded) ones: a sharded model takes its part of each, and
+        a merged linear's parts (HF's `q_proj`, `k_proj`, ...) each fill their rows of it.
         """
         given = {k: v for k, v in state_dict.items() if not k.endswith(IGNORED_KEY_SUFFIXES)}
-        expected = set(self.state_dict())
+        tensors = hf_tensors(self)
+        expected = set(tensors)
         if self.config.tie_word_embeddings:
             # HF ties after loading, so the embedding wins over a stored lm_head copy.
             given.pop("lm_head.weight", None)
             expected.discard("lm_head.weight")
         missing, unexpected = sorted(expected - given.keys()), sorted(given.keys() - expected)
         if missing or unexpected:
+            merged = sorted(set(unexpected) & set(merged_names(self)))
+            hint = (f"; {merged} are this model's merged parameters, not HF names: pass "
+                    f"hf_state_dict(), not state_dict()" if merged else "")
             raise ValueError(
                 f"{type(self).__name__}: the state dict does not match the model: "
-                f"missing keys {missing}, unexpected keys {unexpected}"
+                f"missing keys {missing}, unexpected keys {unexpected}{hint}"
             )
-        self.load_state_dict({k: local_part(self, k, v) for k, v in given.items()}, strict=False)
+        # Every shape is checked before anything is copied, so a refused state dict changes
+        # nothing.
+        parts = {name: tensors[name].local_part(name, full) for name, full in given.items()}
+        for name, part in parts.items():
+            tensors[name].target.copy_(part)
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under HF's names (a merged linear's parts apart), as `load_hf_state_dict`
+        and HF checkpoints have them; this rank's parts when sharded. Each a copy: a merged
+        linear's parts would otherwise share storage, which safetensors refuses to save."""
+        return {name: tensor.target.detach().clone()
+                for name, tensor in hf_tensors(self).items()}

@@ -1,9 +1,12 @@
 """A DeepSeek-V2-style decoder with multi-head latent attention (MLA) over kvgraph's paged cache.
 
 Dense only: every layer has a SwiGLU MLP (no mixture of experts). Parameter names are those of
-Hugging Face's DeepSeek-V2 where they apply. Attention uses the weight-absorbed form: the cache
-holds only the normalized latent `kv_c` and the rotated `k_pe`, the key up-projection is folded
-into the query and the value up-projection is applied to the latent output.
+Hugging Face's DeepSeek-V2 where they apply; as in vLLM, the MLP's gate/up and, with a low-rank
+query, `q_a_proj` and `kv_a_proj_with_mqa` (`fused_qkv_a_proj`) each run as one matmul, and a HF
+state dict loads each of them into its rows of the merged weight. Attention uses the
+weight-absorbed form: the cache holds only the normalized latent `kv_c` and the rotated `k_pe`,
+the key up-projection is folded into the query and the value up-projection is applied to the
+latent output.
 
 RoPE here is the plain "rotate half" (GPT-NeoX) form. DeepSeek's YaRN scaling is not
 implemented (a `rope_scaling` is refused), nor is its interleaved rotary layout (pairs `2j, 2j+1`
@@ -23,7 +26,7 @@ from torch import nn
 import kvgraph
 
 from .causal_lm import CausalLM, DecoderConfig
-from .layers import RMSNorm, RotaryEmbedding
+from .layers import MergedLinear, RMSNorm, RotaryEmbedding
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Fast enough for unit tests; a low-rank query path like DeepSeek-V2's.
@@ -81,13 +84,17 @@ class DeepseekMLAAttention(nn.Module):
         q_dim = heads * (self.nope_dim + self.rope_dim)
         if config.q_lora_rank is None:
             self.q_proj = nn.Linear(hidden, q_dim, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, rank + self.rope_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+            # Both read the hidden state and neither is cut by tensor parallelism: one matmul.
+            self.fused_qkv_a_proj = MergedLinear(hidden, {
+                "q_a_proj": config.q_lora_rank, "kv_a_proj_with_mqa": rank + self.rope_dim,
+            }, bias=False)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps)
             self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.kv_b_proj.keeps_plain_weight = True  # read as W_UK/W_UV matrices, not as a linear
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
         self.rotary_emb = RotaryEmbedding(self.rope_dim, config.rope_theta)
         scale = (self.nope_dim + self.rope_dim) ** -0.5
@@ -98,10 +105,14 @@ class DeepseekMLAAttention(nn.Module):
         """The query heads this module computes: its kvgraph layer's (local when sharded)."""
         return self.attn.num_heads
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _query_and_latent(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query `[T, heads * (nope + rope)]` and `kv_a_proj_with_mqa`'s output, unnormalized
+        latent and `k_pe` `[T, rank + rope]`."""
         if self.q_lora_rank is None:
-            return self.q_proj(hidden)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            return self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
+        q_a, kv_a = self.fused_qkv_a_proj(hidden).split(
+            [self.q_lora_rank, self.rank + self.rope_dim], -1)
+        return self.q_b_proj(self.q_a_layernorm(q_a)), kv_a
 
     def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`kv_b_proj` split into W_UK `[H, nope, rank]` and W_UV `[H, v, rank]`."""
@@ -110,9 +121,10 @@ class DeepseekMLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        query = self._query(hidden).view(num_tokens, self.heads, -1)
-        q_nope, q_pe = query.split([self.nope_dim, self.rope_dim], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope_dim], dim=-1)
+        query, kv_a = self._query_and_latent(hidden)
+        q_nope, q_pe = query.view(num_tokens, self.heads, -1).split(
+            [self.nope_dim, self.rope_dim], dim=-1)
+        kv_c, k_pe = kv_a.split([self.rank, self.rope_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         # k_pe is one head shared by all query heads (MQA-style), so it rotates as [T, 1, R].
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe[:, None, :])

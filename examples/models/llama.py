@@ -1,8 +1,9 @@
 """A Llama-style decoder (GQA, RoPE, RMSNorm, SwiGLU) whose attention reads kvgraph's paged cache.
 
-Plain PyTorch: the model knows nothing of compilation. Its module tree and parameter names are
-those of Hugging Face's `LlamaForCausalLM`, so a HF Llama state dict loads as it is; so do
-Mistral's (a `sliding_window` gives every layer that window) and Qwen2's (biased q/k/v).
+Plain PyTorch: the model knows nothing of compilation. Its module tree is Hugging Face's
+`LlamaForCausalLM`'s except that q/k/v (`qkv_proj`) and gate/up (`gate_up_proj`) each run as one
+matmul; a HF Llama state dict loads as it is (each HF tensor into its rows of the merged weight),
+and so do Mistral's (a `sliding_window` gives every layer that window) and Qwen2's (biased q/k/v).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 import kvgraph
 
 from .causal_lm import CausalLM, DecoderConfig
-from .layers import RotaryEmbedding
+from .layers import MergedLinear, RotaryEmbedding
 from .rope import ROPE_TYPES
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -123,9 +124,10 @@ class LlamaAttention(nn.Module):
         )
         qkv_bias = config.attention_bias or config.qkv_bias
         self.head_dim = head_dim
-        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=qkv_bias)
+        self.qkv_proj = MergedLinear(config.hidden_size, {
+            "q_proj": heads * head_dim, "k_proj": kv_heads * head_dim,
+            "v_proj": kv_heads * head_dim,
+        }, bias=qkv_bias)
         self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=config.attention_bias)
         self.rotary_emb = RotaryEmbedding(head_dim, config.rope)
         self.attn = kvgraph.Attention(
@@ -135,10 +137,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        query = self.q_proj(hidden).view(num_tokens, -1, self.head_dim)
-        key = self.k_proj(hidden).view(num_tokens, -1, self.head_dim)
+        # Sizes from the attention layer's (local) head counts, not from qkv_proj: a module
+        # swapped in for it (packed weights) need not know its parts.
+        q_size = self.attn.num_heads * self.head_dim
+        kv_size = self.attn.num_kv_heads * self.head_dim
+        query, key, value = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], -1)
+        query = query.view(num_tokens, -1, self.head_dim)
+        key = key.view(num_tokens, -1, self.head_dim)
         query, key = self.rotary_emb(positions, query, key)
-        out = self.attn(query.flatten(1), key.flatten(1), self.v_proj(hidden))
+        out = self.attn(query.flatten(1), key.flatten(1), value)
         return self.o_proj(out)
 
 

@@ -4,11 +4,13 @@
 
 does it all: `shard_model` swaps each rank's linears for parallel ones and sets the local head
 counts of the model's kvgraph attention layers; the HF loader then cuts each full tensor to
-this rank's part (`local_part`). What is cut, and how, is the one table `SPLITS` (vLLM's rules):
-attention projections by heads (Llama's KV heads replicated when there are fewer than ranks),
-MLP projections by columns, the projections back into the residual stream (`o_proj`,
-`down_proj`) by rows, all-reduced; everything else (embeddings, lm_head, norms, MLA's latent
-projections) is replicated. At size 1 nothing changes: the same modules, no collectives.
+this rank's part (hf_layout.py). What is cut, and how, is the one table `SPLITS` (vLLM's rules),
+by HF linear name: attention projections by heads (Llama's KV heads replicated when there are
+fewer than ranks), MLP projections by columns, the projections back into the residual stream
+(`o_proj`, `down_proj`) by rows, all-reduced; everything else (embeddings, lm_head, norms, MLA's
+latent projections) is replicated. A merged linear (`qkv_proj`, `gate_up_proj`) is cut part by
+part under the same rules: rank r holds `[q_r, k_r, v_r]`. At size 1 nothing changes: the same
+modules, no collectives.
 
 The models read their head counts from their kvgraph layers, or infer them from the shapes of
 their (now local) projections, so setting the layers' counts is all their forward needs.
@@ -21,10 +23,12 @@ from typing import ClassVar
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, all_reduce
+from kvgraph.packed_linear import linear
+
+from .layers import MergedLinear
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,8 @@ class Split:
     replicate: bool = False
 
 
-# Each HF linear that is cut, by the last part of its module name; every other one is replicated.
-# (A merged qkv/gate_up linear would add rules here naming the part of it each HF tensor fills.)
+# Each HF linear that is cut, by the last part of its HF module name (a merged linear's parts
+# by theirs); every other one is replicated.
 SPLITS: dict[str, Split] = {
     "q_proj": Split(0, "num_attention_heads"),      # Llama, and MLA with a full-rank query
     "k_proj": Split(0, "num_key_value_heads", replicate=True),
@@ -137,14 +141,43 @@ class ColumnParallelLinear(ParallelLinear):
     dim = 0
 
 
+class MergedColumnParallelLinear(MergedLinear):
+    """A merged linear holding one rank's share of each part, concatenated: rank r computes
+    `[q_r, k_r, v_r]` (a replicated part whole), nothing exchanged."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = True, *,
+                 tp: TensorParallelGroup, shards: dict[str, slice],
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__(in_features, parts, bias, shards=shards, device=device, dtype=dtype)
+        self.tp = tp
+
+    @classmethod
+    def from_merged(cls, linear: MergedLinear, tp: TensorParallelGroup,
+                    shards: dict[str, slice]) -> MergedColumnParallelLinear:
+        """This rank's part of the whole merged `linear`, its weights cut from it."""
+        parts = {part.name: part.features for part in linear.parts}
+        with torch.device("meta"):  # no initialisation to run: every parameter is replaced
+            new = cls(linear.in_features, parts, linear.bias is not None, tp=tp, shards=shards,
+                      dtype=linear.weight.dtype)
+        for name, full in linear.named_parameters(recurse=False):
+            setattr(new, name, nn.Parameter(new.cut(full.detach()),
+                                            requires_grad=full.requires_grad))
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank {self.tp.rank} of {self.tp.world_size}"
+
+
 class RowParallelLinear(ParallelLinear):
     """A linear split by input features: each rank's partial product, summed over the ranks
     (`kvgraph.distributed.all_reduce`); the bias is added once, after the sum."""
 
     dim = 1
 
+    reads_packed_weight = True  # see kvgraph.packed_linear: its weight may be packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(F.linear(x, self.weight), self.tp)
+        out = all_reduce(linear(x, self.weight), self.tp)
         return out if self.bias is None else out + self.bias
 
 
@@ -159,7 +192,8 @@ def shard_model(model: nn.Module, tp: TensorParallelGroup) -> nn.Module:
     """
     if tp.world_size == 1:
         return model
-    if any(isinstance(m, ParallelLinear) for m in model.modules()):
+    sharded = (ParallelLinear, MergedColumnParallelLinear)
+    if any(isinstance(m, sharded) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} is already sharded")
     plan = _plan_linears(model, tp)
     heads = _plan_heads(model, tp)
@@ -172,22 +206,45 @@ def shard_model(model: nn.Module, tp: TensorParallelGroup) -> nn.Module:
     return model
 
 
-def _plan_linears(model: nn.Module, tp: TensorParallelGroup) -> dict[str, ParallelLinear]:
-    """Each linear of `SPLITS` by module path, with its parallel replacement (checked)."""
-    plan = {}
+def _shard(model: nn.Module, split: Split, full: int, tp: TensorParallelGroup) -> slice:
+    """The slice of `full` features that rank `tp.rank` holds under `split` (checked)."""
+    units = getattr(model.config, split.units)
+    check_units(f"{type(model).__name__}'s {split.units}", units, tp.world_size, split.replicate)
+    assert full % units == 0, (full, units)  # the config built these shapes
+    first, count = shard_units(units, tp.rank, tp.world_size)
+    size = full // units
+    return slice(first * size, (first + count) * size)
+
+
+def _plan_merged(model: nn.Module, module: MergedLinear, tp: TensorParallelGroup
+                 ) -> MergedColumnParallelLinear | None:
+    """A merged linear's parallel replacement, each part cut by its `SPLITS` rule (a part
+    without one whole); None when no part is cut."""
+    shards = {}
+    for part in module.parts:
+        split = SPLITS.get(part.name)
+        if split is not None:
+            # A merged linear concatenates outputs, so only output-dim (column) cuts compose.
+            assert split.dim == 0, (part.name, split)
+            shards[part.name] = _shard(model, split, part.features, tp)
+    return MergedColumnParallelLinear.from_merged(module, tp, shards) if shards else None
+
+
+def _plan_linears(model: nn.Module, tp: TensorParallelGroup
+                  ) -> dict[str, ParallelLinear | MergedColumnParallelLinear]:
+    """Each linear cut by `SPLITS`, by module path, with its parallel replacement (checked)."""
+    plan: dict[str, ParallelLinear | MergedColumnParallelLinear] = {}
     for path, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            if (merged := _plan_merged(model, module, tp)) is not None:
+                plan[path] = merged
+            continue
         split = SPLITS.get(path.rpartition(".")[2])
         if split is None or not isinstance(module, nn.Linear):
             continue
-        units = getattr(model.config, split.units)
-        check_units(f"{type(model).__name__}'s {split.units}", units, tp.world_size,
-                    split.replicate)
         full = (module.out_features, module.in_features)[split.dim]
-        assert full % units == 0, (path, full, units)  # the config built these shapes
-        first, count = shard_units(units, tp.rank, tp.world_size)
-        size = full // units
         parallel = ColumnParallelLinear if split.dim == 0 else RowParallelLinear
-        plan[path] = parallel.from_linear(module, tp, slice(first * size, (first + count) * size))
+        plan[path] = parallel.from_linear(module, tp, _shard(model, split, full, tp))
     return plan
 
 
@@ -203,28 +260,3 @@ def _plan_heads(model: nn.Module, tp: TensorParallelGroup) -> dict[nn.Module, di
             check_units(f"{name}.{attr}", units, tp.world_size, replicate)
             plan[layer][attr] = shard_units(units, tp.rank, tp.world_size)[1]
     return plan
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    path, _, leaf = name.rpartition(".")
-    return model.get_submodule(path), leaf
-
-
-def local_part(model: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the full (HF) tensor of parameter `name`: `full` where replicated."""
-    module, leaf = _owner(model, name)
-    if not isinstance(module, ParallelLinear):
-        return full  # load_state_dict checks its shape
-    # A wrong shape could still hold this rank's slice, so it is refused before cutting.
-    if full.shape != module.full_shape(leaf):
-        raise ValueError(f"{name}: expected the unsharded shape {tuple(module.full_shape(leaf))}, "
-                         f"got {tuple(full.shape)}")
-    return module.cut(leaf, full)
-
-
-def full_shape(model: nn.Module, name: str) -> torch.Size:
-    """The unsharded (HF) shape of parameter `name`."""
-    module, leaf = _owner(model, name)
-    if isinstance(module, ParallelLinear):
-        return module.full_shape(leaf)
-    return getattr(module, leaf).shape

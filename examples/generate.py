@@ -84,7 +84,9 @@ def report(engine: LLMEngine, summary: dict, args: argparse.Namespace) -> None:
           f"{f' on {ranks} tensor-parallel ranks' if ranks > 1 else ''}: compiled, then captured "
           f"{summary['descriptors']} batch descriptors ({summary['graphs']} graphs: one per "
           f"piece of each) in {summary['seconds']:.1f} s; they hold "
-          f"{summary['graph_bytes'] / 2**20:.1f} MiB")
+          f"{summary['graph_bytes'] / 2**20:.1f} MiB; {summary['threads']} compute "
+          f"thread{'' if summary['threads'] == 1 else 's'}{' per rank' if ranks > 1 else ''} "
+          "(--threads)")
 
     texts = [PROMPTS[i % len(PROMPTS)] for i in range(args.num_prompts)]
     prompts = [engine.tokenizer.encode(text) for text in texts]

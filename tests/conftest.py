@@ -1,6 +1,6 @@
 """Shared test setup: the `cuda` marker skips without a GPU; the compile cache dir and fresh
-Dynamo state fixtures, a small tmpfs for full-disk faults, and a check that no test leaves
-torch.distributed initialised. Shared helpers (models, schedules, `dynamo_capture`) are in
+Dynamo state fixtures, a small tmpfs for full-disk faults, a check that no test leaves
+torch.distributed initialised, and the compute threads put back after each test. Shared helpers (models, schedules, `dynamo_capture`) are in
 tests/scenario.py, the attention references in tests/attention_reference.py."""
 
 import logging
@@ -93,6 +93,15 @@ def tensor_parallel_size_one():
 
     assert not (dist.is_available() and dist.is_initialized()), \
         "the test left torch.distributed initialised in the test process"
+
+
+@pytest.fixture(autouse=True)
+def compute_threads_kept():
+    """Building an engine sets the process's compute threads (examples/engine/threads.py):
+    each test gets back the count it started with, so no test runs on another's choice."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

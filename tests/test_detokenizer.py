@@ -203,3 +203,21 @@ def test_half_a_character_is_sent_as_it_is_when_the_request_ends():
     detokenizer = Detokenizer(ByteTokenizer())
     assert stream(detokenizer, list("a😀".encode())[:3]) == ["a", "", REPLACEMENT_CHAR]
     assert detokenizer.text == "a" + REPLACEMENT_CHAR
+
+
+def test_text_cut_at_a_stop_string_is_the_whole_decode_cut_there(tokenizer):
+    # Stop strings taken from the reference text itself, so they straddle tokens and split
+    # characters' byte tokens wherever the text does.
+    rng = random.Random(5)
+    checked = 0
+    for prompt, output in cases(tokenizer, seed=6, count=300):
+        whole = in_context(tokenizer, prompt, output)
+        if REPLACEMENT_CHAR in whole or len(whole) < 2:
+            continue
+        start = rng.randrange(len(whole) - 1)
+        stop = whole[start:start + rng.randint(1, 4)]
+        detokenizer = Detokenizer(tokenizer, stop=(stop,), prompt_token_ids=prompt)
+        pieces = stream(detokenizer, output)
+        assert "".join(pieces) == detokenizer.text == whole[:whole.find(stop)], (prompt, stop)
+        checked += 1
+    assert checked > 150

@@ -1,8 +1,9 @@
-"""Host time kvgraph adds per step: planning and filling the inputs, and one attention op call.
+"""Host time per step: kvgraph's step plan, input fill and op call, and the engine's sampling.
 
 No model runs: the op is timed with an attention backend that does nothing, so what is left is
 the op's own dispatch and checks; the step is timed as `ModelRunner` plans and fills it for
-decode batches. Prints a table, writes JSON.
+decode batches; sampling as the engine's `Sampler` picks a batch's tokens from random logits of
+`--vocab` entries (greedy, temperature, top-k and top-p). Prints a table, writes JSON.
 
     python -m examples.benchmarks.host_overhead [--json out.json]
 """
@@ -16,8 +17,18 @@ import torch
 
 import kvgraph
 from examples.benchmarks.timing import machine, write_json
+from examples.engine.detokenizer import Detokenizer
+from examples.engine.request import Request
+from examples.engine.sampler import Sampler
+from examples.engine.sampling_params import SamplingParams
+from examples.engine.tokenizer import ByteTokenizer
 from examples.models.llama import Llama
 from kvgraph.attention.backends import AttentionBackend, GraphSupport, register_attention_backend
+
+
+# What the sampling rows time: each a batch of requests that all sample this way.
+SAMPLING = {"greedy": SamplingParams(temperature=0), "temperature": SamplingParams(),
+            "top-k 50": SamplingParams(top_k=50), "top-p 0.9": SamplingParams(top_p=0.9)}
 
 
 class NoKernels(AttentionBackend):
@@ -64,15 +75,29 @@ def step_us(batch: int, repeats: int) -> float:
     return microseconds(lambda: runner.prepare_step(chunks), repeats)
 
 
+def sample_us(batch: int, params: SamplingParams, vocab: int, repeats: int) -> float:
+    """One batch's sampling; logits spread like a trained model's (a few likely tokens)."""
+    sampler = Sampler("cpu")
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 4
+    requests = [Request(f"r{i}", [1], params, Detokenizer(ByteTokenizer()), 0.0)
+                for i in range(batch)]
+    return microseconds(lambda: sampler(logits, requests), repeats)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=2000)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--vocab", type=int, default=32000, help="the sampled logits' width")
+    parser.add_argument("--sampling-batch", type=int, default=16)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = [("attention op call (no kernels)", op_call_us(args.repeats))]
     rows += [(f"step plan + input fill, decode b={b}", step_us(b, args.repeats // 4))
              for b in args.batch_sizes]
+    rows += [(f"sampling, {name}, b={args.sampling_batch}",
+              sample_us(args.sampling_batch, params, args.vocab, max(args.repeats // 20, 10)))
+             for name, params in SAMPLING.items()]
     print(f"{'what':<40} {'us':>8}")
     for name, us in rows:
         print(f"{name:<40} {us:>8.1f}")

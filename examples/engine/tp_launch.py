@@ -9,13 +9,13 @@ Two launches, one group:
   script; the rendezvous is torchrun's (`env://`). Rank 0 serves, the others follow it.
 
 Each rank then initialises torch.distributed (gloo on the CPU, nccl on CUDA, hccl on Ascend)
-with a timeout, records it as kvgraph's tensor-parallel group, takes its own device (`cuda:<local
-rank>` for `--device cuda`) and a share of the node's cores as its compute threads.
+with a timeout, records it as kvgraph's tensor-parallel group and takes its own device
+(`cuda:<local rank>` for `--device cuda`); its build then takes its share of the node's cores
+as compute threads (threads.py, with `ranks_on_node`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,8 +25,6 @@ import torch.distributed as dist
 
 from kvgraph import distributed as kvgraph_tp
 from kvgraph.runtime.platforms import get_platform
-
-logger = logging.getLogger(__name__)
 
 # What torchrun (torch.distributed.run) sets in every process it starts.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
@@ -112,7 +110,6 @@ def join_group(rendezvous: Rendezvous, device: str, timeout_s: float,
         store.set(JOINING_KEY.format(rank=rendezvous.rank), "1")
         dist.init_process_group(BACKENDS[kind], store=store, rank=rendezvous.rank,
                                 world_size=rendezvous.world_size, timeout=timeout)
-    set_compute_threads(rendezvous)
     tp = kvgraph_tp.init_tensor_parallel(timeout_s=timeout_s)
     # Made now, while every rank is there: making a group waits on the store, which does not
     # notice a rank that died (a collective on a made group does, at once).
@@ -120,18 +117,11 @@ def join_group(rendezvous: Rendezvous, device: str, timeout_s: float,
     return tp
 
 
-def set_compute_threads(rendezvous: Rendezvous) -> int:
-    """Give this rank its share of the node's cores as torch's compute threads, and log it.
-
-    N ranks each using every core would oversubscribe the node N times over.
-    """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // rendezvous.local_world_size)
-    torch.set_num_threads(threads)
-    logger.info("rank %d of %d: %d compute threads (%d cores / %d ranks on this node)",
-                rendezvous.rank, rendezvous.world_size, threads, cores,
-                rendezvous.local_world_size)
-    return threads
+def ranks_on_node(world_size: int) -> int:
+    """How many of the `world_size` ranks share this node's cores: torchrun's
+    LOCAL_WORLD_SIZE, or all of them when this process spawned them."""
+    launched = torchrun_rendezvous()
+    return world_size if launched is None else launched.local_world_size
 
 
 def leave_group() -> None:

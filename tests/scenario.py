@@ -212,6 +212,25 @@ def assert_matches_eager(kind, mode, device="cpu", **config):
     return runner
 
 
+def assert_backend_generates_like_torch_native(kind, mode, backend, plan, device="cpu"):
+    """A runner on `backend` in `mode` gives torch_native eager's tokens and logits on `plan`,
+    in `mode` itself (a backend that captures any batch is not downgraded); in `full`, mixed
+    prefill/decode batches ran inside full graphs."""
+    reference = make_runner(kind, "eager", device, attn_backend="torch_native")
+    expected_logits, expected_tokens = generate(reference, reference.model.config.vocab_size,
+                                                plan)
+    runner = make_runner(kind, mode, device, attn_backend=backend)
+    assert runner.config.graph_mode.value == mode, f"{backend} captures every batch: no downgrade"
+    runner.capture()
+    logits, tokens = generate(runner, runner.model.config.vocab_size, plan)
+    assert tokens == expected_tokens
+    for got, want in zip(logits, expected_logits):
+        torch.testing.assert_close(got, want, **TOLERANCE)
+    if mode == "full":
+        assert any(key.startswith("full:") and "uniform_decode=False" in key
+                   for key in runner.stats()["hits"])
+
+
 class AlwaysCapturableBackend(TorchNativeBackend):
     """Torch-native math declared capture-safe for every batch: the runner then pads mixed
     batches to fixed shapes, which exercises the full-graph path for non-decode batches."""

@@ -180,7 +180,7 @@ def test_what_a_cpu_graph_keeps_alive_is_its_position_s_shared_memory():
 def test_no_splitting_ops_captures_the_whole_forward_per_descriptor(caplog):
     expected = eager_generation()
     with caplog.at_level(logging.WARNING):
-        runner = make_runner("llama", "piecewise", splitting_ops=())
+        runner = make_runner("llama", "piecewise", splitting_ops=(), attn_backend="torch_native")
     # torch_native captures attention for uniform decode only: full graphs for those batches.
     assert runner.config.graph_mode is GraphMode.FULL_DECODE_ONLY
     assert "runs as 'full'" in caplog.text and "'full_decode_only'" in caplog.text

@@ -133,9 +133,10 @@ def test_the_downgrade_failed_captures_and_steps_without_graphs_are_warnings(ins
 
 
 def test_a_mode_downgraded_by_the_compile_and_recompiles_are_warnings(tmp_path):
-    # Splitting ops the model never calls: piecewise becomes full, then full_decode_only.
+    # Splitting ops the model never calls: piecewise becomes full, then (torch_native captures
+    # uniform decode only) full_decode_only.
     dump = make_dump(tmp_path / "downgraded", "piecewise",
-                     splitting_ops=("kvgraph::encoder_attention",))
+                     splitting_ops=("kvgraph::encoder_attention",), attn_backend="torch_native")
     text = text_report(load_dump(dump))
     assert ("graph mode downgraded: asked 'piecewise', compile 0 built 'full', ran "
             "'full_decode_only'") in section(text, "Warnings")

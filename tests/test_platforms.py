@@ -94,12 +94,13 @@ def test_cuda_graph_replays_into_the_buffers_it_captured():
     torch.testing.assert_close(replayed, captured)
 
 
-def test_cuda_attention_defaults_to_triton_and_the_cpu_to_torch_native():
+def test_cuda_attention_defaults_to_triton_and_the_cpu_to_cpu_paged():
     # Building the CUDA platform touches no device, so its default is checkable here.
     from kvgraph.runtime.platforms.cuda import cuda_platform
 
     assert cuda_platform().attention_backend == "triton"
-    assert get_platform("cpu").attention_backend == "torch_native"
+    # The C++ kernels reading the cache in place; torch_native stays the reference.
+    assert get_platform("cpu").attention_backend == "cpu_paged"
 
 
 def test_a_device_capture_phase_keeps_the_allocator_cache_and_restores_it_after():

@@ -91,7 +91,8 @@ def test_splitting_ops_the_graph_never_calls_make_the_runner_capture_full_graphs
     # aten::mm is registered but never in a Dynamo graph (which calls torch functions): no piece
     # would hold attention on its own, so attention must not end up inside piecewise graphs.
     with caplog.at_level(logging.WARNING):
-        runner = assert_matches_eager("llama", mode, splitting_ops=("aten::mm",))
+        runner = assert_matches_eager("llama", mode, splitting_ops=("aten::mm",),
+                                      attn_backend="torch_native")
     assert "splitting_ops ['aten::mm'] match no op of the traced graph" in caplog.text
     # torch_native captures attention for uniform decode only: full decode graphs, the rest
     # without graphs; never a piecewise one.

@@ -15,7 +15,7 @@ from tests.attention_reference import (  # noqa: E402
     random_attention_batch, random_mla_batch, with_padding,
 )
 from tests.test_attention_options import ref_encoder_window  # noqa: E402
-from tests.scenario import GENERATION, TOLERANCE, generate, make_runner  # noqa: E402
+from tests.scenario import GENERATION, assert_backend_generates_like_torch_native  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PLAN = GENERATION[:5]  # prefill, chunked prefill, mixed and decode steps: enough, and quick
@@ -293,16 +293,4 @@ def test_asking_for_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(m
       for mode in ("piecewise", "full")],
 ])
 def test_the_runner_with_triton_generates_what_torch_native_does(kind, mode):
-    reference = make_runner(kind, "eager", device=DEVICE)
-    expected_logits, expected_tokens = generate(reference, reference.model.config.vocab_size,
-                                                PLAN)
-    runner = make_runner(kind, mode, device=DEVICE, attn_backend="triton")
-    assert runner.config.graph_mode.value == mode, "triton captures every batch: no downgrade"
-    runner.capture()
-    logits, tokens = generate(runner, runner.model.config.vocab_size, PLAN)
-    assert tokens == expected_tokens
-    for got, want in zip(logits, expected_logits):
-        torch.testing.assert_close(got, want, **TOLERANCE)
-    if mode == "full":  # mixed prefill/decode batches ran inside full graphs
-        assert any(key.startswith("full:") and "uniform_decode=False" in key
-                   for key in runner.stats()["hits"])
+    assert_backend_generates_like_torch_native(kind, mode, "triton", PLAN, DEVICE)

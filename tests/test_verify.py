@@ -17,6 +17,7 @@ import torch
 import kvgraph
 from examples.models.llama import LlamaAttention
 from kvgraph.runtime import verify, verify_locate
+from kvgraph.runtime.platforms import get_platform
 from passes import GraphPass, PassManager
 from tests.scenario import GENERATION, generate, make_runner
 
@@ -93,17 +94,17 @@ def test_passes_with_inductor_pieces(mode, compile_cache_dir, caplog):
 # --- it catches what is broken, and says where ------------------------------------------------
 
 def perturb_layer_1(gm: torch.fx.GraphModule) -> None:
-    """A test-only pass: layer 1's value projection times 1.1 (one op, one layer)."""
+    """A test-only pass: layer 1's merged q/k/v projection times 1.1 (one op, one layer)."""
     for node in gm.graph.nodes:
         paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
-        if node.op == "call_function" and paths and paths[-1].endswith(".1.self_attn.v_proj"):
+        if node.op == "call_function" and paths and paths[-1].endswith(".1.self_attn.qkv_proj"):
             with gm.graph.inserting_after(node):
                 scaled = gm.graph.call_function(torch.mul, (node, 1.1))
             scaled.meta[PERTURBED] = True  # node names change in the split; meta stays
             node.replace_all_uses_with(scaled,
                                        delete_user_cb=lambda user, new=scaled: user is not new)
             return
-    raise AssertionError("layer 1's v_proj is not in the graph")
+    raise AssertionError("layer 1's qkv_proj is not in the graph")
 
 
 def with_broken_pass(runner):
@@ -249,7 +250,8 @@ def test_a_verified_run_is_bit_identical_to_one_without(mode):
 def test_off_by_default_and_free(monkeypatch):
     assert kvgraph.CompilationConfig().verify is False
     calls = {"kernel": 0, "verifier": 0, "probe": 0}
-    backend_cls = type(kvgraph.attention.backends.get_attention_backend("torch_native", "cpu"))
+    default = get_platform("cpu").attention_backend  # what make_runner's runner uses
+    backend_cls = type(kvgraph.attention.backends.get_attention_backend(default, "cpu"))
     forward = backend_cls.forward
 
     def counted(self, *args, **kwargs):

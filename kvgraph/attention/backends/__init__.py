@@ -21,6 +21,7 @@ DEFAULT_BACKEND = "torch_native"
 # name -> "module:class", imported on first use; register_attention_backend adds classes.
 _BACKENDS: dict[str, str | type] = {
     "torch_native": "kvgraph.attention.backends.torch_native:TorchNativeBackend",
+    "cpu_paged": "kvgraph.attention.backends.cpu:CPUPagedBackend",
     "triton": "kvgraph.attention.backends.triton:TritonBackend",
     "ascend": "kvgraph.attention.backends.ascend:AscendBackend",
 }
@@ -41,7 +42,7 @@ def _load(name: str) -> AttentionBackend:
     return backend_class()
 
 
-def get_attention_backend(name: str | None, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str | None, device: torch.device | str) -> AttentionBackend:
     """The backend called `name` (None: the default), checked to run on `device`'s type."""
     name = name or DEFAULT_BACKEND
     backend = _instances.get(name)
@@ -49,10 +50,10 @@ def get_attention_backend(name: str | None, device: torch.device) -> AttentionBa
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
         backend = _instances[name] = _load(name)
-    device_types = backend.device_types
-    if device_types is not None and device.type not in device_types:
+    device_types, device_type = backend.device_types, torch.device(device).type
+    if device_types is not None and device_type not in device_types:
         raise ValueError(f"attention backend {name!r} runs on {', '.join(device_types)}, not on "
-                         f"{device.type}")
+                         f"{device_type}")
     return backend
 
 

@@ -23,6 +23,7 @@ from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.attention.layer_base import attention_layers, kv_cache_specs
 from kvgraph.kv_cache.spec import AttentionSpec, MLASpec, allocate_kv_caches
+from kvgraph.packed_linear import pack_linear_weights
 from kvgraph.runtime.runner import ModelRunner
 from kvgraph.version import __version__
 
@@ -39,6 +40,7 @@ __all__ = [
     "allocate_kv_caches",
     "attention_layers",
     "bind_kv_cache",
+    "pack_linear_weights",
     # one step's batch, metadata and context
     "RequestChunk",
     "AttentionMetadata",

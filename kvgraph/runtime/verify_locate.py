@@ -20,6 +20,7 @@ import torch
 from kvgraph.attention.layer_base import attention_layers
 from kvgraph.config import GraphMode
 from kvgraph.forward_context import BatchDescriptor
+from kvgraph.runtime.platforms.base import has_storage
 
 # The inputs each attention op hands a probe, by name.
 INPUT_NAMES = {"unified_attention": ("query", "key", "value"),
@@ -190,7 +191,7 @@ def recording(pieces: list, probe: Probe, shared: set[int], log: list) -> Iterat
 
 
 def _storages(tensors: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors}
+    return {t.untyped_storage().data_ptr() for t in tensors if has_storage(t)}
 
 
 def locate(runner: Any, plan: Any, blocks: Any, before: list, eager_cache: list,

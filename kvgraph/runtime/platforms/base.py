@@ -41,9 +41,17 @@ def weak_tensor(tensor: torch.Tensor) -> torch.Tensor:
         alias, tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
+def has_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` has memory of its own to point at: an opaque tensor (a oneDNN-packed
+    weight, `layout=torch._mkldnn`) keeps its memory where torch cannot see it."""
+    return tensor.layout != torch._mkldnn
+
+
 def input_addresses(args: Sequence[Any]) -> list[int | None]:
-    """The data pointer of each tensor argument (None for non-tensors)."""
-    return [a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args]
+    """The data pointer of each tensor argument (None for non-tensors and opaque tensors,
+    which are packed weights: built once, never refilled, so nothing to check)."""
+    return [a.data_ptr() if isinstance(a, torch.Tensor) and has_storage(a) else None
+            for a in args]
 
 
 def check_addresses(captured: list[int | None], args: Sequence[Any], name: str) -> None:

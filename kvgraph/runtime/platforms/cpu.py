@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from kvgraph.runtime.platforms.base import check_addresses, input_addresses, map_tensors, tensors_in
+from kvgraph.runtime.platforms.base import (check_addresses, has_storage, input_addresses,
+                                            map_tensors, tensors_in)
 
 
 def poison(tensors: Sequence[torch.Tensor]) -> None:
@@ -75,7 +76,7 @@ class CPUGraph:
         """Run `fn` once and keep its outputs in `pool` (or in buffers of their own), poisoned;
         outputs that are (views of) inputs pass through, as a device graph aliases them."""
         self.fn, self.addresses = fn, input_addresses(args)
-        inputs = {t.untyped_storage().data_ptr() for t in tensors_in(list(args))}
+        inputs = {t.untyped_storage().data_ptr() for t in tensors_in(list(args)) if has_storage(t)}
         before = pool.nbytes if pool is not None else 0
         owned: list[torch.Tensor] = []
 
@@ -112,7 +113,7 @@ class CPUGraph:
 class CPUPlatform:
     name = "cpu"
     device_type = "cpu"
-    attention_backend = "torch_native"
+    attention_backend = "cpu_paged"  # C++, reads the cache in place (torch_native: the reference)
     default_block_size = 16
     needs_warmup = False
     freezes_shapes = False  # a replay reruns Python: attention reads only a batch's real keys

@@ -1,0 +1,129 @@
+"""Linear weights packed once for oneDNN on the CPU, so no step repacks them.
+
+torch's CPU linear hands oneDNN a plain `[out, in]` weight, and for bf16 and fp16 oneDNN
+reorders it into its blocked layout (the one AMX and AVX-512 kernels read) on every call: a copy
+of the whole weight per matmul per step. `pack_linear_weights(model)` reorders each weight once,
+at load, into an opaque oneDNN tensor (`layout=torch._mkldnn`).
+
+A packed weight stays a parameter, so a graph input: identical layers still compile once.
+(Inductor's `freezing` packs too, but makes each layer's weights constants of its own graph, so
+each layer compiles anew.) Inductor lowers mkldnn's linear only on constant weights, so the
+packed matmul is kvgraph's own op, `kvgraph::packed_linear`, opaque to compilers like the
+attention ops; its fake kernel gives the output's shape.
+
+A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+logger = logging.getLogger(__name__)
+
+# The dtypes packed by default: those whose plain matmul repacks the weight on every call.
+# fp32 matmuls go to MKL's sgemm, which reads the plain weight as it is (see the README).
+PACKED_DTYPES = (torch.bfloat16, torch.float16)
+# Rows oneDNN is told to expect when it chooses the packed layout: decode batches are small,
+# and a layout chosen for them also serves prefill (measured: README, "Packed weights").
+PACKING_BATCH_HINT = 16
+
+_library = torch.library.Library("kvgraph", "FRAGMENT")  # ops.py owns the namespace
+_library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, SymInt out_features) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _packed_linear_fake(x, weight, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+# CompositeExplicitAutograd: the packed weight dispatches as MkldnnCPU, the input as CPU.
+_library.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
+torch.library.register_fake("kvgraph::packed_linear", _packed_linear_fake, lib=_library)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a oneDNN-packed (opaque) tensor."""
+    return weight.layout == torch._mkldnn
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`F.linear`, for a plain or a packed weight (a packed one knows its `[out, in]` shape)."""
+    if is_packed(weight):
+        return torch.ops.kvgraph.packed_linear(x, weight, bias, weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (`[out, in]`, on the CPU) reordered once into oneDNN's blocked layout."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"pack_weight: expected a 2-D CPU weight, got {tuple(weight.shape)} on "
+                         f"{weight.device}")
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
+                                                   PACKING_BATCH_HINT)
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose weight is packed: the module `pack_linear_weights` puts in its place."""
+
+    def __init__(self, source: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.weight = nn.Parameter(pack_weight(source.weight), requires_grad=False)
+        self.bias = source.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)  # inference only: the op has no backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvgraph.packed_linear(x, self.weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, packed")
+
+
+def can_pack() -> bool:
+    """Whether this torch has oneDNN (every x86 and Arm CPU build of torch does)."""
+    return torch.backends.mkldnn.is_available()
+
+
+def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES
+                        ) -> int:
+    """Pack the weight of every CPU linear of `model` whose dtype is in `dtypes`, in place;
+    returns how many were packed.
+
+    A plain `nn.Linear` (or a subclass keeping its forward) becomes a `PackedLinear`; a module
+    of another class is packed only if it says it reads its weight through `linear()`
+    (`reads_packed_weight = True`), and then keeps its class. A module whose weight the model
+    reads as a matrix says so with `keeps_plain_weight = True` and is left alone. Call after
+    loading weights: a packed weight no longer takes `load_state_dict`.
+    """
+    if not can_pack():
+        logger.info("kvgraph: this torch has no oneDNN; linear weights stay unpacked")
+        return 0
+    packed = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            weight = getattr(child, "weight", None)
+            if (not isinstance(weight, torch.Tensor) or weight.device.type != "cpu"
+                    or weight.dtype not in dtypes or is_packed(weight)
+                    or getattr(child, "keeps_plain_weight", False)):
+                continue
+            if getattr(child, "reads_packed_weight", False):
+                child.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            elif isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward:
+                setattr(parent, name, PackedLinear(child))
+            else:
+                continue
+            packed += 1
+    logger.info("kvgraph: packed %d linear weights for oneDNN (%s)", packed,
+                ", ".join(str(d).removeprefix("torch.") for d in dtypes))
+    return packed

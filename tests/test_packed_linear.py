@@ -1,0 +1,145 @@
+"""oneDNN-packed linear weights: the same results as plain weights, eager and in every graph
+kind, still one compile for identical layers, and the compile cache across processes' runners."""
+
+import pytest
+import torch
+from torch import nn
+
+import kvgraph
+from kvgraph.compilation.counters import compile_counters
+from kvgraph.packed_linear import (PackedLinear, is_packed, linear, pack_linear_weights,
+                                   pack_weight)
+from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
+
+pytestmark = [pytest.mark.usefixtures("fresh_compile_state"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")]
+
+# oneDNN's bf16 kernels and torch's plain bf16 matmul round their sums in different orders.
+BF16 = dict(atol=3e-2, rtol=3e-2)
+
+
+def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    return [m.weight for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_a_packed_linear_computes_the_plain_one(dtype):
+    torch.manual_seed(0)
+    plain = nn.Linear(48, 80, dtype=dtype)
+    x = torch.randn(5, 3, 48, dtype=dtype)
+    packed = PackedLinear(plain)
+    assert is_packed(packed.weight) and packed.weight.shape == (80, 48)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x.double(), plain.weight.double(), plain.bias.double())
+        got = packed(x)
+        assert got.shape == (5, 3, 80) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(linear(x, packed.weight, packed.bias), got, atol=0, rtol=0)
+
+
+def test_only_the_asked_dtypes_and_plain_linears_are_packed():
+    class OwnForward(nn.Linear):
+        def forward(self, x):  # reads self.weight with F.linear: packing it would break it
+            return super().forward(x) * 2
+
+    class ReadsPacked(nn.Module):
+        reads_packed_weight = True
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return linear(x, self.weight)
+
+    model = nn.ModuleDict({"plain": nn.Linear(4, 6, dtype=torch.bfloat16),
+                           "fp32": nn.Linear(4, 6), "own": OwnForward(4, 6, dtype=torch.bfloat16),
+                           "reads": ReadsPacked(), "embed": nn.Embedding(8, 4,
+                                                                         dtype=torch.bfloat16)})
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = {name: model[name](x) for name in ("plain", "own", "reads")}
+        assert pack_linear_weights(model) == 2
+        assert isinstance(model["plain"], PackedLinear) and is_packed(model["reads"].weight)
+        assert not is_packed(model["fp32"].weight) and not is_packed(model["own"].weight)
+        assert not is_packed(model["embed"].weight)
+        for name, value in want.items():
+            torch.testing.assert_close(model[name](x), value, **BF16)
+        assert pack_linear_weights(model) == 0  # packed weights are not packed twice
+
+
+def test_a_weight_that_is_not_a_2d_cpu_matrix_is_refused():
+    with pytest.raises(ValueError, match=r"expected a 2-D CPU weight, got \(2, 3, 4\)"):
+        pack_weight(torch.randn(2, 3, 4))
+
+
+def _runner(model, mode, piece_compiler="eager", **config):
+    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler=piece_compiler,
+                                       capture_sizes=CAPTURE_SIZES, check_graph_inputs=True,
+                                       **config)
+    return kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                               max_num_tokens=32, max_num_seqs=8)
+
+
+def _bf16_model(kind: str, packed: bool, num_layers: int | None = None) -> nn.Module:
+    model = make_model(kind, num_layers).to(torch.bfloat16)
+    if packed:
+        plain = [m for m in model.modules() if getattr(m, "keeps_plain_weight", False)]
+        assert pack_linear_weights(model) == len(_linear_weights(model)) - len(plain) > 0
+    return model
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_packed_models_run_in_graphs_as_plain_ones_do(kind, mode):
+    """The packed weights are graph inputs with no memory torch can point at: captured and
+    replayed (the CPU graph checks every other input's address) with the plain model's tokens."""
+    plain = _runner(_bf16_model(kind, packed=False), "eager")
+    want_logits, want_tokens = generate(plain, plain.vocab_size)
+    runner = _runner(_bf16_model(kind, packed=True), mode)
+    assert runner.capture()["graphs"] > 0
+    logits, tokens = generate(runner, runner.vocab_size)
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        torch.testing.assert_close(got.float(), want.float(), **BF16, msg=f"step {step}")
+    assert any(key.startswith(mode.split("_")[0]) for key in runner.stats()["hits"])
+
+
+@pytest.mark.slow  # inductor
+def test_identical_layers_still_compile_once_and_the_cache_loads(compile_cache_dir):
+    runs = []
+    for packed in (False, True, True):  # the second packed runner loads from the cache
+        compile_counters.reset()
+        torch._dynamo.reset()
+        # Four layers: the pieces between layers 0-1, 1-2 and 2-3 are identical.
+        runner = _runner(_bf16_model("llama", packed, num_layers=4), "piecewise", "inductor",
+                         compile_sizes=(4,), cache_dir=compile_cache_dir)
+        runner.capture()
+        runs.append((compile_counters.snapshot(), generate(runner, runner.vocab_size)))
+        runner.close()
+    (plain, _), (cold, (cold_logits, cold_tokens)), (warm, (warm_logits, warm_tokens)) = runs
+    assert cold["unique_pieces"] == plain["unique_pieces"] < cold["pieces"]
+    assert warm["cache_hits"] > 0 and warm["builds"] == 0
+    assert warm_tokens == cold_tokens
+    for got, want in zip(warm_logits, cold_logits):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("flags, dtype, packed", [
+    ([], "bfloat16", True), (["--no-pack-weights"], "bfloat16", False), ([], "float32", False)])
+def test_the_engine_packs_half_precision_weights_on_the_cpu_unless_told_not_to(flags, dtype,
+                                                                               packed):
+    import argparse
+
+    from examples.engine import add_engine_args, build_engine
+    from examples.models import DeepseekMLA, Llama
+
+    args = add_engine_args(argparse.ArgumentParser()).parse_args(
+        ["--preset", "tiny", "--graph-mode", "piecewise", "--max-model-len", "64",
+         "--dtype", dtype, *flags])
+    engine, _ = build_engine(args, {"llama": Llama, "mla": DeepseekMLA})
+    try:
+        weights = _linear_weights(engine.runner.model)
+        assert weights and all(is_packed(w) == packed for w in weights)
+    finally:
+        engine.runner.close()

@@ -50,7 +50,9 @@ def get_attention_backend(name: str | None, device: torch.device | str) -> Atten
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_BACKENDS)}")
         backend = _instances[name] = _load(name)
-    device_types, device_type = backend.device_types, torch.device(device).type
+    # A string's type is read off it: torch.device('npu') needs torch_npu, never imported here.
+    device_type = device.split(":")[0] if isinstance(device, str) else device.type
+    device_types = backend.device_types
     if device_types is not None and device_type not in device_types:
         raise ValueError(f"attention backend {name!r} runs on {', '.join(device_types)}, not on "
                          f"{device_type}")

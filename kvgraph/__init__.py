@@ -23,12 +23,12 @@ from kvgraph.forward_context import BatchDescriptor, set_forward_context
 from kvgraph.kv_cache.binding import bind_kv_cache
 from kvgraph.attention.layer_base import attention_layers, kv_cache_specs
 from kvgraph.kv_cache.spec import AttentionSpec, MLASpec, allocate_kv_caches
-from kvgraph.packed_linear import pack_linear_weights
 from kvgraph.runtime.runner import ModelRunner
 from kvgraph.version import __version__
 
 # What model, server and backend authors use; everything else is importable from its module
-# (counters from kvgraph.compilation.counters, attention backends from kvgraph.attention.backends).
+# (counters from kvgraph.compilation.counters, attention backends from kvgraph.attention.backends,
+# CPU weight packing from kvgraph.packed_linear).
 __all__ = [
     "__version__",
     # models: attention layers and their caches
@@ -40,7 +40,6 @@ __all__ = [
     "allocate_kv_caches",
     "attention_layers",
     "bind_kv_cache",
-    "pack_linear_weights",
     # one step's batch, metadata and context
     "RequestChunk",
     "AttentionMetadata",

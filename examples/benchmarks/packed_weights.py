@@ -1,9 +1,9 @@
 """Packed against plain linear weights on the CPU: decode steps and prefill, runners side by side.
 
-Per dtype, two runners of the same model and graph mode, one with `kvgraph.pack_linear_weights`
-applied (every linear, whatever its dtype, so fp32 is measured too), one without; rounds
-alternate which goes first, and each round times a decode step per batch size and a prefill
-step on both. One compute thread by default, since a shared machine's second core is not
+Per dtype, two runners of the same model and graph mode, one with `pack_linear_weights`
+(kvgraph.packed_linear) applied to every linear, whatever its dtype, so fp32 is measured too,
+one without; rounds alternate which goes first, and each round times a decode step per batch
+size and a prefill step on both. One compute thread by default, since a shared machine's second core is not
 ours to count on. Prints medians and the packed/plain ratio (below 1: packing is faster),
 writes JSON.
 
@@ -25,6 +25,7 @@ from examples.benchmarks.decode_runner import Requests
 from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import PRESETS, Llama
 from kvgraph.config_checks import PIECE_COMPILERS
+from kvgraph.packed_linear import pack_linear_weights
 
 KINDS = ("plain", "packed")
 
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_runner(args, dtype: torch.dtype, packed: bool) -> kvgraph.ModelRunner:
     model = Llama.from_preset(args.preset, dtype=dtype, seed=0)
     if packed:
-        kvgraph.pack_linear_weights(model, dtypes=(dtype,))
+        pack_linear_weights(model, dtypes=(dtype,))
     seqs, length = args.prefill
     max_num_tokens = max(seqs * length, max(args.batch_sizes))
     blocks_per_seq = -(-(length + args.rounds * (args.steps + 1) + 2) // 16)

@@ -7,6 +7,7 @@ user's), so a test run pays for at most one cold build (~20 s on 2 cores) and la
 import dataclasses
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from random import Random
@@ -315,3 +316,12 @@ def test_the_benchmark_compares_both_backends(backend, tmp_path):
                                                            else 5e-2), row["case"]
         assert row["ms"].keys() == {"cpu_paged", "torch_native", "sdpa_dense"}
         assert row["speedup"] > 0
+
+
+def test_the_ninja_package_is_found_when_its_bin_dir_is_not_on_path(monkeypatch):
+    ninja = pytest.importorskip("ninja")
+    from kvgraph.attention.backends.cpu.build import put_ninja_on_path
+
+    monkeypatch.setenv("PATH", "/nonexistent")
+    put_ninja_on_path()
+    assert shutil.which("ninja") == os.path.join(ninja.BIN_DIR, "ninja")

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
@@ -84,10 +85,22 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def put_ninja_on_path() -> None:
+    """Make the `ninja` pip package's binary (a kvgraph dependency) findable: torch's builder
+    runs `ninja` from PATH, which lacks the venv's bin dir when the venv is not activated."""
+    if shutil.which("ninja") is not None:
+        return
+    with contextlib.suppress(ImportError):
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 def build_and_load(root: Path) -> Path:
     """Build (or find) the library under `root` and load its ops; returns the build dir."""
     from torch.utils import cpp_extension
 
+    put_ninja_on_path()
     directory = root / "cpu_attention" / build_key()
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     check_tree(root / "cpu_attention", "CPU attention kernel cache entry")

@@ -1,8 +1,9 @@
 """Shared test setup: the `cuda` marker skips without a GPU; the compile cache dir and fresh
 Dynamo state fixtures, a small tmpfs for full-disk faults, a check that no test leaves
-torch.distributed initialised, and the compute threads put back after each test. Shared helpers (models, schedules, `dynamo_capture`) are in
-tests/scenario.py, the attention references in tests/attention_reference.py."""
+torch.distributed initialised, and the compute threads and frozen start-up objects put back after
+each test. Shared helpers (models, schedules, `dynamo_capture`) are in tests/scenario.py, the attention references in tests/attention_reference.py."""
 
+import gc
 import logging
 import os
 import subprocess
@@ -102,6 +103,15 @@ def compute_threads_kept():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def start_up_objects_unfrozen():
+    """Building an engine freezes start-up objects out of the collector's scans
+    (examples/engine/startup_gc.py): after each test they are handed back, so engines that
+    tests drop are still collected."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kvgraph.attention.backends.cpu import CPUPagedBackend
 from tests.attention_reference import (
     HEAD_CONFIGS, KINDS, assert_bitwise_equal, assert_close, attention_batch, check_caches,
     encoder_batch, make_chunks, mla_batch, random_attention_batch, random_mla_batch, ref_encoder,
-    with_padding,
+    request_shapes, with_padding,
 )
 from tests.scenario import GENERATION, assert_backend_generates_like_torch_native
 
@@ -96,6 +96,28 @@ def test_a_float32_model_over_a_bfloat16_cache(backend):
     assert out.dtype == torch.float32
     assert_close(out, batch.ref, torch.bfloat16)
     check_caches(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kind", [((16, 1), "decode"), ((16, 1), "mixed"),
+                                        ((1, 1), "prefill"), ((8, 2), "chunked")])
+def test_dot_and_transposed_scoring_both_match(backend, dtype, heads, kind):
+    """An item with up to 8 rows (tokens x query heads of a KV head) scores one dot product per
+    key, one with more transposes the key tile: a group of 16 decodes through the transpose,
+    single-head prefill tokens through dot products on the causal diagonal."""
+    rng = Random(f"paths-{heads}-{kind}")
+    chunks, num_blocks = make_chunks(request_shapes(kind, rng), 4, rng)
+    batch = attention_batch(chunks, num_blocks, 4, *heads, 64, dtype, 7)
+    assert_close(run(backend, batch), batch.ref, dtype)
+
+
+def test_a_query_in_a_third_dtype_goes_through_float32(backend):
+    """fp16 queries over a bf16 cache: neither fp32 nor the cache's dtype, so converted."""
+    batch = random_attention_batch("mixed", 4, "gqa", dtype=torch.bfloat16)
+    q, k, v = (t.to(torch.float16) for t in batch.inputs)
+    out = run(backend, batch, inputs=[q, k, v])
+    assert out.dtype == torch.float16
+    assert_close(out, batch.ref, torch.bfloat16)
 
 
 def test_strided_inputs_from_a_fused_projection(backend):

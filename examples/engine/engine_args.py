@@ -30,6 +30,7 @@ from kvgraph.packed_linear import pack_linear_weights
 
 from .engine import LLMEngine
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
+from .startup_gc import freeze_startup_objects
 from .tokenizer import ByteTokenizer
 from .threads import SERVING_CORES, set_compute_threads
 from .tp_launch import ranks_on_node, tensor_parallel_size, torchrun_rendezvous
@@ -177,6 +178,7 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
                                        max_model_len, build_runner), tp)
     runner = build_runner(sizing.num_blocks)
     capture = runner.capture()  # compiles first: a compile error raises here, before serving
+    freeze_startup_objects()  # after the last start-up allocation, before the first step
     return RankBuild(runner, tokenizer, sizing, capture, threads)
 
 

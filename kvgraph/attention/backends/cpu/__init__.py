@@ -3,8 +3,8 @@
 Every batch kind (prefill, chunked prefill, decode, mixed), GQA/MQA, sliding windows and MLA run
 in `torch.ops.kvgraph_cpu.paged_attention` (paged_attention.cpp): work items of (request, up to
 16 query tokens, KV head) run under `at::parallel_for` on torch's threads, each walking only its
-request's real keys, 64 at a time through the block table, with an online softmax, two query
-heads per pass, accumulating in fp32 for fp32, bf16 and fp16 caches. Cache writes are one C++
+request's real keys, 64 at a time through the block table, with an online softmax, four rows
+(query heads, tokens) per pass, accumulating in fp32 for fp32, bf16 and fp16 caches. Cache writes are one C++
 loop over the slots (-1 writes nothing). Sequence lengths, query offsets and block tables are
 read from the metadata's tensors, and the kernels' work depends on nothing else, so any batch
 may run inside a graph (`GraphSupport.ALWAYS`).
@@ -14,8 +14,9 @@ The kernels are built on first use into kvgraph's cache dir (see `build.py`). Wh
 be built (no compiler), the backend logs why once and runs `torch_native` instead, whose graph
 support it then reports.
 
-Buffers: none persist. A query or output in another dtype than fp32 costs one conversion per call
-(the kernel reads fp32 queries and writes fp32 rows); bf16/fp16 caches are read as they are.
+Buffers: none persist. Queries and outputs are read and written in their own dtype when it is
+fp32 or the cache's (a bf16 model over a bf16 cache converts nothing); any other pairing costs a
+conversion per call. Caches are read as they are.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tens
     torch.ops.kvgraph_cpu.write_cache(rows, cache, slot_mapping)
 
 
-def _fp32_rows(x: torch.Tensor) -> torch.Tensor:
-    """`x` as the kernel reads it: fp32 with a contiguous last dim (no copy when it already is)."""
-    x = x.float()
+def _query_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the kernel reads it: `dtype` with a contiguous last dim (no copy when it is)."""
+    x = x.to(dtype)
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -65,11 +66,14 @@ def paged_attention(query: torch.Tensor, query_rope: torch.Tensor | None,
                     scale: float, sliding_window: int | None) -> None:
     """Causal paged attention into `out` `[T, H, Dv]`: scores are `query·key` (plus
     `query_rope·key_rope` for MLA) over caches `[num_blocks, block_size, kv_heads, dim]`."""
-    result = out if out.dtype == torch.float32 and out.stride(-1) == 1 else torch.empty(
-        out.shape, dtype=torch.float32)
+    # The kernel reads queries and writes rows in fp32 or the cache's dtype, whichever the
+    # query has (anything else goes through fp32); it accumulates in fp32 either way.
+    dtype = query.dtype if query.dtype in (torch.float32, key_cache.dtype) else torch.float32
+    result = out if out.dtype == dtype and out.stride(-1) == 1 else torch.empty(
+        out.shape, dtype=dtype)
     torch.ops.kvgraph_cpu.paged_attention(
-        _fp32_rows(query), None if query_rope is None else _fp32_rows(query_rope), key_cache,
-        key_rope_cache, value_cache, result, metadata.block_table, metadata.seq_lens,
+        _query_rows(query, dtype), None if query_rope is None else _query_rows(query_rope, dtype),
+        key_cache, key_rope_cache, value_cache, result, metadata.block_table, metadata.seq_lens,
         metadata.query_start_loc, scale, sliding_window or NO_WINDOW)
     if result is not out:
         out.copy_(result)

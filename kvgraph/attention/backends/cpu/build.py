@@ -40,7 +40,10 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 HEADERS = (Path(__file__).with_name("attention_tiles.h"),)  # included by SOURCE
 LIBRARY_NAME = "kvgraph_cpu_attention"
-CFLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for runs on torch's threads
+# OpenMP: at::parallel_for runs on torch's threads. On x86, GCC's tuning for recent Intel cores
+# keeps loops at 256-bit vectors; the tiles' loops ran ~2x faster at 512 (measured: README).
+CFLAGS = ("-O3", "-march=native", "-fopenmp",
+          *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
 LDFLAGS = ("-fopenmp",)
 # What torch's builder (`FileBaton`) leaves in the build dir while it builds.
 TORCH_BUILD_LOCK = "lock"

@@ -5,10 +5,12 @@
 //   paged_attention(...): causal attention of each request's new tokens over its cached keys.
 // Work is split over (request, block of QUERY_TILE query tokens, KV head) with at::parallel_for.
 // Each item keeps one row per (token, query head of the KV head's group) and walks the keys it
-// needs once, KEY_TILE at a time, with an online softmax: a tile's keys (gathered across blocks
-// through the block table) are converted to fp32 and transposed once, then shared by every row
-// (GQA and prefill reuse each key that way), and scores are computed across the tile's keys so
-// the inner loops vectorise without horizontal sums (the tile arithmetic: attention_tiles.h).
+// needs once, KEY_TILE at a time, with an online softmax: a tile's keys and values (gathered
+// across blocks through the block table) are converted to fp32 once and the keys transposed,
+// then shared by every row, ROW_BLOCK rows per pass (GQA's heads and prefill's tokens reuse
+// each key that way); scores are computed across the tile's keys so the inner loops vectorise
+// without horizontal sums (the tile arithmetic: attention_tiles.h). Queries and outputs are
+// fp32 or the cache's dtype.
 // Accumulation is fp32 whatever the cache dtype. Only a request's real keys are read: stale rows
 // past a sequence's end (which may hold NaN) never enter a sum.
 #include <ATen/Dispatch.h>
@@ -25,6 +27,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -32,16 +36,21 @@ namespace {
 using namespace kvgraph_cpu;
 
 constexpr int64_t QUERY_TILE = 16;  // query tokens per work item: rows share each key tile
-constexpr int64_t KEY_TILE = 64;  // keys converted and transposed at once, across blocks
+constexpr int64_t KEY_TILE = 64;  // keys converted (and transposed) at once, across blocks
+constexpr int ROW_BLOCK = 4;  // rows (query heads, tokens) sharing each key and value loaded
 constexpr int64_t NO_WINDOW = -1;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+template <typename T>
+inline T from_float(float x) { return static_cast<T>(x); }
+
 // One operand's rows: element (token, head, d) lives at data[token * s0 + head * s1 + d].
+template <typename Q>
 struct Rows {
-  const float* data;
+  const Q* data;
   int64_t s0, s1, dim;
 };
 
@@ -60,6 +69,12 @@ Cache<T> cache_of(const at::Tensor& t) {
   return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(3)};
 }
 
+template <typename T>
+inline void copy_to_float(const T* src, int64_t n, float* dst) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+}
+
 struct Work {
   int64_t request, first_token, num_tokens;
 };
@@ -74,52 +89,88 @@ struct Batch {
   float scale;
 };
 
-template <typename T>
+// A work item's buffers, fp32: its rows' queries and running softmax state, one key tile.
+struct Scratch {
+  std::vector<float> q, acc, row_max, row_sum, keys, keys_t, values, scores;
+};
+
+// T: the caches' dtype; Q: the queries' and output's (float, or T itself).
+template <typename T, typename Q>
 struct Kernel {
   Batch batch;
-  Rows q1, q2;  // q2.dim == 0 without a second key part (MLA's rope part)
+  Rows<Q> q1, q2;  // q2.dim == 0 without a second key part (MLA's rope part)
   Cache<T> k1, k2, v;
-  float* out;
+  Q* out;
   int64_t out_s0, out_s1;
 
-  // Keys [lo, lo + n) of request r, kv head h, into keys_t [kdim][n] and values [n][vdim].
-  void gather(int64_t r, int64_t h, int64_t lo, int64_t n, float* keys_t, float* values) const {
-    const int64_t bs = batch.block_size, vdim = v.dim;
+  // Keys [lo, lo + n) of request r, kv head h, as fp32 rows: keys [n][kdim], values [n][vdim].
+  void gather(int64_t r, int64_t h, int64_t lo, int64_t n, float* keys, float* values) const {
+    const int64_t bs = batch.block_size, kdim = k1.dim + k2.dim, vdim = v.dim;
     const int32_t* table = batch.block_table + r * batch.block_table_stride;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t block = table[(lo + k) / bs], slot = (lo + k) % bs;
+    for (int64_t k = 0; k < n;) {
+      const int64_t block = table[(lo + k) / bs], first_slot = (lo + k) % bs;
       TORCH_CHECK(block >= 0 && block < batch.num_blocks, "kvgraph_cpu.paged_attention: request ",
                   r, " reads block ", block, " of a cache with ", batch.num_blocks, " blocks");
-      const T* a = k1.row(block, slot, h);
-      for (int64_t d = 0; d < k1.dim; ++d) keys_t[d * n + k] = to_float(a[d]);
-      if (q2.dim) {
-        const T* b = k2.row(block, slot, h);
-        for (int64_t d = 0; d < k2.dim; ++d) keys_t[(k1.dim + d) * n + k] = to_float(b[d]);
+      const int64_t end = std::min(n, k + bs - first_slot);
+      for (int64_t slot = first_slot; k < end; ++k, ++slot) {
+        copy_to_float(k1.row(block, slot, h), k1.dim, keys + k * kdim);
+        if (k2.dim) copy_to_float(k2.row(block, slot, h), k2.dim, keys + k * kdim + k1.dim);
+        copy_to_float(v.row(block, slot, h), vdim, values + k * vdim);
       }
-      const T* c = v.row(block, slot, h);
-      for (int64_t d = 0; d < vdim; ++d) values[k * vdim + d] = to_float(c[d]);
     }
   }
 
-  // R rows of one token over a tile of n keys, of which it sees [see_lo, see_hi). Every
-  // gathered key is a real one (< seq_len), so scoring the whole tile is safe.
+  // R rows over the keys [see_lo, see_hi) of a tile of n (every gathered key is a real one).
   template <int R>
-  void attend_rows(const float* q_rows, int64_t kdim, const float* keys_t, int64_t n,
-                   const float* values, float* scores, int64_t see_lo, int64_t see_hi,
-                   float* row_max, float* row_sum, float* acc) const {
+  void attend_rows(float* q_rows, int64_t kdim, Scratch& s, int64_t n, int64_t see_lo,
+                   int64_t see_hi, float* row_max, float* row_sum, float* acc) const {
+    float* scores = s.scores.data();
     if (n == KEY_TILE) {
-      score_rows<R, KEY_TILE>(q_rows, keys_t, kdim, scores);
+      score_rows<R, KEY_TILE>(q_rows, s.keys_t.data(), kdim, scores);
     } else {
-      score_rows_partial<R, KEY_TILE>(q_rows, keys_t, kdim, n, scores);
+      score_rows_partial<R, KEY_TILE>(q_rows, s.keys_t.data(), kdim, n, scores);
     }
     for (int r = 0; r < R; ++r) {
       softmax_update(scores + r * KEY_TILE, see_lo, see_hi, row_max[r], row_sum[r],
                      acc + r * v.dim, v.dim);
     }
-    accumulate_rows<R>(scores, KEY_TILE, values, see_lo, see_hi, v.dim, acc);
+    accumulate_rows<R>(scores, KEY_TILE, s.values.data(), see_lo, see_hi, v.dim, acc);
   }
 
-  void run(const Work& work, int64_t kv_head) const {
+  // Rows [lo, hi), which all see the tile's keys [see_lo, see_hi): ROW_BLOCK at a time, so
+  // each key and value loaded serves that many rows.
+  void attend_run(int64_t lo, int64_t hi, int64_t kdim, Scratch& s, int64_t n, int64_t see_lo,
+                  int64_t see_hi) const {
+    const int64_t vdim = v.dim;
+    auto rows = [&](auto block, int64_t row) {
+      attend_rows<decltype(block)::value>(s.q.data() + row * kdim, kdim, s, n, see_lo, see_hi,
+                                          &s.row_max[row], &s.row_sum[row],
+                                          s.acc.data() + row * vdim);
+    };
+    int64_t row = lo;
+    for (; row + ROW_BLOCK <= hi; row += ROW_BLOCK) rows(std::integral_constant<int, ROW_BLOCK>{}, row);
+    if (row + 2 <= hi) rows(std::integral_constant<int, 2>{}, row), row += 2;
+    if (row < hi) rows(std::integral_constant<int, 1>{}, row);
+  }
+
+  void load_queries(const Work& work, int64_t kv_head, int64_t group, int64_t token0,
+                    float* q) const {
+    const int64_t kdim = q1.dim + q2.dim;
+    for (int64_t i = 0; i < work.num_tokens; ++i) {
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = kv_head * group + g;
+        float* dst = q + (i * group + g) * kdim;
+        const Q* a = q1.data + (token0 + i) * q1.s0 + head * q1.s1;
+        for (int64_t d = 0; d < q1.dim; ++d) dst[d] = to_float(a[d]) * batch.scale;
+        if (q2.dim) {
+          const Q* b = q2.data + (token0 + i) * q2.s0 + head * q2.s1;
+          for (int64_t d = 0; d < q2.dim; ++d) dst[q1.dim + d] = to_float(b[d]) * batch.scale;
+        }
+      }
+    }
+  }
+
+  void run(const Work& work, int64_t kv_head, Scratch& s) const {
     const int64_t group = batch.num_heads / batch.num_kv_heads;
     const int64_t rows = work.num_tokens * group;
     const int64_t kdim = q1.dim + q2.dim, vdim = v.dim;
@@ -129,21 +180,15 @@ struct Kernel {
     const int64_t first_pos = seq_len - query_len + work.first_token;  // of this item's token 0
     const int64_t token0 = batch.query_start_loc[r] + work.first_token;
 
-    std::vector<float> q(rows * kdim), acc(rows * vdim, 0.f), keys_t(kdim * KEY_TILE),
-        values(KEY_TILE * vdim), scores(2 * KEY_TILE);
-    std::vector<float> row_max(rows, -std::numeric_limits<float>::infinity()), row_sum(rows, 0.f);
-    for (int64_t i = 0; i < work.num_tokens; ++i) {
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = kv_head * group + g;
-        float* dst = q.data() + (i * group + g) * kdim;
-        const float* a = q1.data + (token0 + i) * q1.s0 + head * q1.s1;
-        for (int64_t d = 0; d < q1.dim; ++d) dst[d] = a[d] * batch.scale;
-        if (q2.dim) {
-          const float* b = q2.data + (token0 + i) * q2.s0 + head * q2.s1;
-          for (int64_t d = 0; d < q2.dim; ++d) dst[q1.dim + d] = b[d] * batch.scale;
-        }
-      }
-    }
+    s.q.resize(rows * kdim);
+    s.acc.assign(rows * vdim, 0.f);
+    s.row_max.assign(rows, -std::numeric_limits<float>::infinity());
+    s.row_sum.assign(rows, 0.f);
+    s.keys.resize(KEY_TILE * kdim);
+    s.keys_t.resize(KEY_TILE * kdim);
+    s.values.resize(KEY_TILE * vdim);
+    s.scores.resize(ROW_BLOCK * KEY_TILE);
+    load_queries(work, kv_head, group, token0, s.q.data());
 
     int64_t first_key = 0;
     if (batch.window != NO_WINDOW) first_key = std::max<int64_t>(0, first_pos - batch.window + 1);
@@ -154,44 +199,45 @@ struct Kernel {
                 batch.block_size);
     for (int64_t lo = first_key; lo < end_key; lo += KEY_TILE) {
       const int64_t n = std::min(KEY_TILE, end_key - lo);
-      gather(r, kv_head, lo, n, keys_t.data(), values.data());
-      for (int64_t i = 0; i < work.num_tokens; ++i) {
-        const int64_t pos = first_pos + i;
-        // Keys this token sees in the tile: [see_lo, see_hi) relative to lo.
-        int64_t see_lo = 0;
-        const int64_t see_hi = std::min(n, pos - lo + 1);
-        if (batch.window != NO_WINDOW) see_lo = std::max<int64_t>(0, pos - batch.window + 1 - lo);
-        if (see_hi <= see_lo) continue;
-        // Two rows (query heads) at a time: each key and value loaded serves both.
-        for (int64_t g = 0; g < group; g += 2) {
-          const int64_t row = i * group + g;
-          if (g + 1 < group) {
-            attend_rows<2>(q.data() + row * kdim, kdim, keys_t.data(), n, values.data(),
-                           scores.data(), see_lo, see_hi, &row_max[row], &row_sum[row],
-                           acc.data() + row * vdim);
-          } else {
-            attend_rows<1>(q.data() + row * kdim, kdim, keys_t.data(), n, values.data(),
-                           scores.data(), see_lo, see_hi, &row_max[row], &row_sum[row],
-                           acc.data() + row * vdim);
-          }
+      gather(r, kv_head, lo, n, s.keys.data(), s.values.data());
+      transpose_keys(s.keys.data(), n, kdim, s.keys_t.data());
+      // Consecutive tokens that see the same keys of the tile (all of it, before the causal
+      // diagonal) form one run of rows: token i's rows are [i * group, (i + 1) * group).
+      for (int64_t i = 0; i < work.num_tokens;) {
+        const auto [see_lo, see_hi] = visible(first_pos + i, lo, n);
+        int64_t j = i + 1;
+        while (j < work.num_tokens && visible(first_pos + j, lo, n) == std::pair{see_lo, see_hi}) ++j;
+        if (see_lo < see_hi) {
+          attend_run(i * group, j * group, kdim, s, n, see_lo, see_hi);
         }
+        i = j;
       }
     }
 
     for (int64_t i = 0; i < work.num_tokens; ++i) {
       for (int64_t g = 0; g < group; ++g) {
         const int64_t row = i * group + g;
-        float* dst = out + (token0 + i) * out_s0 + (kv_head * group + g) * out_s1;
+        Q* dst = out + (token0 + i) * out_s0 + (kv_head * group + g) * out_s1;
         // A row that sees no key (an empty request) comes out as zeros, as in torch_native.
-        const float inv = row_sum[row] > 0.f ? 1.f / row_sum[row] : 0.f;
-        for (int64_t d = 0; d < vdim; ++d) dst[d] = acc[row * vdim + d] * inv;
+        const float inv = s.row_sum[row] > 0.f ? 1.f / s.row_sum[row] : 0.f;
+        for (int64_t d = 0; d < vdim; ++d) dst[d] = from_float<Q>(s.acc[row * vdim + d] * inv);
       }
     }
   }
+
+  // The keys of the tile [lo, lo + n) the token at `pos` sees, relative to lo: causal, and
+  // within the window if there is one.
+  std::pair<int64_t, int64_t> visible(int64_t pos, int64_t lo, int64_t n) const {
+    int64_t see_lo = 0;
+    const int64_t see_hi = std::min(n, pos - lo + 1);
+    if (batch.window != NO_WINDOW) see_lo = std::max<int64_t>(0, pos - batch.window + 1 - lo);
+    return {see_lo, see_hi};
+  }
 };
 
-Rows rows_of(const at::Tensor& t) {
-  return {t.data_ptr<float>(), t.stride(0), t.stride(1), t.size(2)};
+template <typename Q>
+Rows<Q> rows_of(const at::Tensor& t) {
+  return {t.data_ptr<Q>(), t.stride(0), t.stride(1), t.size(2)};
 }
 
 void check_index(const at::Tensor& t, const char* name, at::ScalarType dtype) {
@@ -206,9 +252,13 @@ void paged_attention(const at::Tensor& query, const std::optional<at::Tensor>& q
                      const at::Tensor& value_cache, const at::Tensor& out,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t sliding_window) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "kvgraph_cpu.paged_attention: query and out must be float32, got ",
-              query.scalar_type(), " and ", out.scalar_type());
+  TORCH_CHECK((query.scalar_type() == at::kFloat ||
+               query.scalar_type() == key_cache.scalar_type()) &&
+                  out.scalar_type() == query.scalar_type() &&
+                  (!query_rope.has_value() || query_rope->scalar_type() == query.scalar_type()),
+              "kvgraph_cpu.paged_attention: query, query_rope and out must share one dtype, "
+              "float32 or the cache's ", key_cache.scalar_type(), "; got ", query.scalar_type(),
+              " and ", out.scalar_type());
   TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4,
               "kvgraph_cpu.paged_attention: caches must be [num_blocks, block_size, heads, dim]");
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
@@ -235,30 +285,34 @@ void paged_attention(const at::Tensor& query, const std::optional<at::Tensor>& q
   }
   // Padding tokens past the last request get zeros.
   const int64_t real_tokens = num_reqs ? batch.query_start_loc[num_reqs] : 0;
-  float* out_data = out.data_ptr<float>();
-  for (int64_t t = real_tokens; t < num_tokens; ++t) {
-    for (int64_t h = 0; h < out.size(1); ++h) {
-      std::fill_n(out_data + t * out.stride(0) + h * out.stride(1), out.size(2), 0.f);
-    }
-  }
+  if (real_tokens < num_tokens) out.narrow(0, real_tokens, num_tokens - real_tokens).zero_();
 
   const int64_t items = static_cast<int64_t>(work.size()) * batch.num_kv_heads;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key_cache.scalar_type(),
                                   "kvgraph_cpu.paged_attention", [&] {
-    Rows rope{nullptr, 0, 0, 0};
-    Cache<scalar_t> k2{nullptr, 0, 0, 0, 0};
-    if (query_rope.has_value()) {
-      rope = rows_of(*query_rope);
-      k2 = cache_of<scalar_t>(*key_rope_cache);
-    }
-    Kernel<scalar_t> kernel{batch, rows_of(query), rope, cache_of<scalar_t>(key_cache), k2,
-                            cache_of<scalar_t>(value_cache), out_data,
-                            out.stride(0), out.stride(1)};
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        kernel.run(work[item / batch.num_kv_heads], item % batch.num_kv_heads);
+    auto launch = [&](auto query_type) {
+      using Q = decltype(query_type);
+      Rows<Q> rope{nullptr, 0, 0, 0};
+      Cache<scalar_t> k2{nullptr, 0, 0, 0, 0};
+      if (query_rope.has_value()) {
+        rope = rows_of<Q>(*query_rope);
+        k2 = cache_of<scalar_t>(*key_rope_cache);
       }
-    });
+      Kernel<scalar_t, Q> kernel{batch, rows_of<Q>(query), rope, cache_of<scalar_t>(key_cache),
+                                 k2, cache_of<scalar_t>(value_cache), out.data_ptr<Q>(),
+                                 out.stride(0), out.stride(1)};
+      at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+        Scratch scratch;  // one per thread's share: buffers reused across its items
+        for (int64_t item = begin; item < end; ++item) {
+          kernel.run(work[item / batch.num_kv_heads], item % batch.num_kv_heads, scratch);
+        }
+      });
+    };
+    if (query.scalar_type() == at::kFloat) {
+      launch(float{});
+    } else if constexpr (!std::is_same_v<scalar_t, float>) {
+      launch(scalar_t{});
+    }
   });
 }
 

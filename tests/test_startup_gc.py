@@ -34,3 +34,13 @@ def test_the_engine_freezes_after_start_up():
         assert gc.get_freeze_count() > 0
     finally:
         engine.runner.close()
+
+
+def test_the_benchmark_times_both(tmp_path):
+    from examples.benchmarks import startup_gc
+    payload = startup_gc.main(["--preset", "tiny", "--graph-mode", "eager", "--max-model-len",
+                               "128", "--batch-sizes", "2", "--rounds", "2", "--decode-base", "2",
+                               "--decode-steps", "2", "--json", str(tmp_path / "gc.json")])
+    (row,) = payload["results"]
+    assert payload["frozen_objects"] > 0 and set(row["ms"]) == {"frozen", "unfrozen"}
+    assert all(ms > 0 for ms in row["ms"].values()) and (tmp_path / "gc.json").exists()

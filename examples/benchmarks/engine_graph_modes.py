@@ -1,0 +1,94 @@
+"""The example engine in each graph mode, side by side in one process: decode steps and prefill.
+
+One engine per mode (same model, weights and flags otherwise: the engine's defaults, one
+thread unless --threads, no prefix caching), built in one process; rounds alternate the order of the modes, and
+each round times, per mode, a decode step at each batch size (prompts generated to S and to
+S + --decode-steps tokens, the difference over --decode-steps: sampling and detokenizing
+included, as served) and a prefill of 16 prompts of 64 tokens. Prints medians and each mode's
+time relative to eager, writes JSON. The issue's bar: every graph mode at least as fast as eager.
+
+    python -m examples.benchmarks.engine_graph_modes [--modes eager piecewise full] \
+        [--dtype bfloat16] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from examples.benchmarks.timing import machine, write_json
+from examples.engine import SamplingParams, add_engine_args, build_engine
+from examples.models import Llama
+
+PROMPT_LEN, PREFILL_SEQS = 64, 16
+
+
+def generate_s(engine, prompts: list[list[int]], tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = add_engine_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--modes", nargs="+", default=["eager", "piecewise", "full"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--decode-base", type=int, default=8)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--json", default="engine_graph_modes.json")
+    args = parser.parse_args(argv)
+    args.threads = args.threads or 1
+    args.enable_prefix_caching = False  # the rounds repeat their prompts: compute them each time
+    engines = {}
+    for mode in args.modes:
+        args.graph_mode = mode
+        engines[mode] = build_engine(args, {"llama": Llama})[0]
+    rng = random.Random(0)
+    vocab = engines[args.modes[0]].runner.model.config.vocab_size
+    def prompts_of(n: int) -> list[list[int]]:
+        return [[rng.randrange(2, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
+    decode = {b: prompts_of(b) for b in args.batch_sizes}
+    prefill = prompts_of(PREFILL_SEQS)
+    for engine in engines.values():
+        generate_s(engine, decode[max(args.batch_sizes)], 2)  # warm-up
+    samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in args.modes}
+    for round_index in range(args.rounds):
+        for mode in args.modes if round_index % 2 == 0 else args.modes[::-1]:
+            engine, row = engines[mode], samples[mode]
+            for batch, batch_prompts in decode.items():
+                short = generate_s(engine, batch_prompts, args.decode_base)
+                long = generate_s(engine, batch_prompts, args.decode_base + args.decode_steps)
+                row.setdefault(f"decode b={batch} (ms)", []).append(
+                    1e3 * (long - short) / args.decode_steps)
+            row.setdefault(f"prefill {PREFILL_SEQS}x{PROMPT_LEN} (ms)", []).append(
+                1e3 * generate_s(engine, prefill, 1))
+    medians = {mode: {what: statistics.median(s) for what, s in row.items()}
+               for mode, row in samples.items()}
+    base = "eager" if "eager" in medians else args.modes[0]
+    payload = {"machine": machine(torch.device("cpu")), "date": time.strftime("%Y-%m-%d"),
+               "args": vars(args), "ms": medians,
+               "relative": {mode: {what: ms / medians[base][what] for what, ms in row.items()}
+                            for mode, row in medians.items()}}
+    write_json(args.json, payload)
+    print(f"{args.preset} Llama, {args.dtype}, {args.threads} thread(s), {args.rounds} rounds; "
+          f"median ms (x {base}'s time)")
+    whats = list(medians[base])
+    print(f"{'mode':<20}" + "".join(f"{w:>26}" for w in whats))
+    for mode, row in medians.items():
+        print(f"{mode:<20}" + "".join(
+            f"{row[w]:>16.2f} ({payload['relative'][mode][w]:.2f}x)" for w in whats))
+    for engine in engines.values():
+        engine.runner.close()
+    print(f"wrote {args.json}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -36,7 +36,7 @@ namespace {
 using namespace kvgraph_cpu;
 
 constexpr int64_t QUERY_TILE = 16;  // query tokens per work item: rows share each key tile
-constexpr int64_t KEY_TILE = 64;  // keys converted (and transposed) at once, across blocks
+constexpr int64_t KEY_TILE = 64;  // keys converted and transposed at once, across blocks
 constexpr int ROW_BLOCK = 4;  // rows (query heads, tokens) sharing each key and value loaded
 constexpr int64_t NO_WINDOW = -1;
 
@@ -89,7 +89,8 @@ struct Batch {
   float scale;
 };
 
-// A work item's buffers, fp32: its rows' queries and running softmax state, one key tile.
+// A work item's fp32 buffers (its rows' queries and softmax state, one key tile), kept by a
+// thread across its items so each item does not allocate its own.
 struct Scratch {
   std::vector<float> q, acc, row_max, row_sum, keys, keys_t, values, scores;
 };
@@ -122,7 +123,7 @@ struct Kernel {
 
   // R rows over the keys [see_lo, see_hi) of a tile of n (every gathered key is a real one).
   template <int R>
-  void attend_rows(float* q_rows, int64_t kdim, Scratch& s, int64_t n, int64_t see_lo,
+  void attend_rows(const float* q_rows, int64_t kdim, Scratch& s, int64_t n, int64_t see_lo,
                    int64_t see_hi, float* row_max, float* row_sum, float* acc) const {
     float* scores = s.scores.data();
     if (n == KEY_TILE) {

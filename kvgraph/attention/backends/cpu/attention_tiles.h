@@ -18,6 +18,20 @@
 
 namespace kvgraph_cpu {
 
+// The bits of `from` as a `To`: GCC >= 11 and Clang have a builtin the vectoriser sees through;
+// older compilers get memcpy (correct, but the loops using it stay scalar).
+template <typename To, typename From>
+__attribute__((always_inline)) inline To bit_cast(From from) {
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_bit_cast)
+  return __builtin_bit_cast(To, from);
+#endif
+#endif
+  To to;
+  std::memcpy(&to, &from, sizeof(to));
+  return to;
+}
+
 constexpr int64_t VALUE_CHUNK = 32;  // output dims kept in registers while keys stream past
 
 // exp(x) for x <= 0 in plain arithmetic, so a loop of it vectorises (std::exp does not):
@@ -37,9 +51,8 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const int32_t bits = (__builtin_bit_cast(int32_t, shifted) -
-                        __builtin_bit_cast(int32_t, ROUND) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);  // 2^n (GCC and Clang builtins)
+  const int32_t bits = (bit_cast<int32_t>(shifted) - bit_cast<int32_t>(ROUND) + 127) << 23;
+  return p * bit_cast<float>(bits);  // 2^n
 }
 
 // s[r][k] = q[r] . keys_t[:, k] for r < R, k < N; q rows are kdim apart, keys_t is [kdim][N].

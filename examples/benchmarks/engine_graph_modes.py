@@ -13,7 +13,6 @@ time relative to eager, writes JSON. The issue's bar: every graph mode at least 
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import time
@@ -22,27 +21,18 @@ from typing import Any
 import torch
 
 from examples.benchmarks.timing import machine, write_json
-from examples.engine import SamplingParams, add_engine_args, build_engine
+from examples.benchmarks.engine_steps import (
+    PROMPT_LEN, decode_step_ms, engine_parser, generate_s, random_prompts,
+)
+from examples.engine import build_engine
 from examples.models import Llama
 
-PROMPT_LEN, PREFILL_SEQS = 64, 16
-
-
-def generate_s(engine, prompts: list[list[int]], tokens: int) -> float:
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    return time.perf_counter() - start
+PREFILL_SEQS = 16
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = add_engine_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser = engine_parser(__doc__.splitlines()[0], 6, "engine_graph_modes.json")
     parser.add_argument("--modes", nargs="+", default=["eager", "piecewise", "full"])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--decode-base", type=int, default=8)
-    parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--json", default="engine_graph_modes.json")
     args = parser.parse_args(argv)
     args.threads = args.threads or 1
     args.enable_prefix_caching = False  # the rounds repeat their prompts: compute them each time
@@ -52,10 +42,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         engines[mode] = build_engine(args, {"llama": Llama})[0]
     rng = random.Random(0)
     vocab = engines[args.modes[0]].runner.model.config.vocab_size
-    def prompts_of(n: int) -> list[list[int]]:
-        return [[rng.randrange(2, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
-    decode = {b: prompts_of(b) for b in args.batch_sizes}
-    prefill = prompts_of(PREFILL_SEQS)
+    decode = {b: random_prompts(rng, vocab, b) for b in args.batch_sizes}
+    prefill = random_prompts(rng, vocab, PREFILL_SEQS)
     for engine in engines.values():
         generate_s(engine, decode[max(args.batch_sizes)], 2)  # warm-up
     samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in args.modes}
@@ -63,10 +51,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for mode in args.modes if round_index % 2 == 0 else args.modes[::-1]:
             engine, row = engines[mode], samples[mode]
             for batch, batch_prompts in decode.items():
-                short = generate_s(engine, batch_prompts, args.decode_base)
-                long = generate_s(engine, batch_prompts, args.decode_base + args.decode_steps)
                 row.setdefault(f"decode b={batch} (ms)", []).append(
-                    1e3 * (long - short) / args.decode_steps)
+                    decode_step_ms(engine, batch_prompts, args.decode_base, args.decode_steps))
             row.setdefault(f"prefill {PREFILL_SEQS}x{PROMPT_LEN} (ms)", []).append(
                 1e3 * generate_s(engine, prefill, 1))
     medians = {mode: {what: statistics.median(s) for what, s in row.items()}

@@ -12,7 +12,6 @@ either way: the pause a step meets when the collector's thresholds trigger one. 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import random
 import statistics
@@ -22,21 +21,11 @@ from typing import Any
 import torch
 
 from examples.benchmarks.timing import machine, write_json
-from examples.engine import SamplingParams, add_engine_args, build_engine
+from examples.benchmarks.engine_steps import decode_step_ms, engine_parser, random_prompts
+from examples.engine import build_engine
 from examples.models import Llama
 
 KINDS = ("frozen", "unfrozen")
-PROMPT_LEN = 64
-
-
-def step_ms(engine, prompts: list[list[int]], base: int, steps: int) -> float:
-    def run(tokens: int) -> float:
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        start = time.perf_counter()
-        engine.generate(prompts, params)
-        return time.perf_counter() - start
-    short = run(base)
-    return 1e3 * (run(base + steps) - short) / steps
 
 
 def full_collection_ms(frozen: bool, repeats: int = 5) -> float:
@@ -51,13 +40,7 @@ def full_collection_ms(frozen: bool, repeats: int = 5) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = add_engine_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--decode-base", type=int, default=8)
-    parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--json", default="startup_gc.json")
-    args = parser.parse_args(argv)
+    args = engine_parser(__doc__.splitlines()[0], 10, "startup_gc.json").parse_args(argv)
     if args.threads is None:
         args.threads = 1
     engine, summary = build_engine(args, {"llama": Llama})
@@ -69,13 +52,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{payload['frozen_objects']} objects frozen at start-up; median decode step, ms")
     print(f"{'batch':>6}{'frozen':>10}{'unfrozen':>10}{'frozen/unfrozen':>17}")
     for batch in args.batch_sizes:
-        prompts = [[rng.randrange(2, vocab) for _ in range(PROMPT_LEN)] for _ in range(batch)]
-        step_ms(engine, prompts, 2, 2)  # warm-up
+        prompts = random_prompts(rng, vocab, batch)
+        decode_step_ms(engine, prompts, 2, 2)  # warm-up
         samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
         for round_index in range(args.rounds):
             for kind in KINDS if round_index % 2 == 0 else KINDS[::-1]:
                 gc.freeze() if kind == "frozen" else gc.unfreeze()
-                samples[kind].append(step_ms(engine, prompts, args.decode_base, args.decode_steps))
+                samples[kind].append(
+                    decode_step_ms(engine, prompts, args.decode_base, args.decode_steps))
         ms = {kind: statistics.median(s) for kind, s in samples.items()}
         payload["results"].append({"batch": batch, "ms": ms, "ratio": ms["frozen"] / ms["unfrozen"]})
         write_json(args.json, payload)

@@ -3,7 +3,8 @@
 // at a time so each key and value loaded from memory serves R rows; fixed widths (N keys,
 // VALUE_CHUNK dims) keep the accumulators in vector registers. Scores are computed against
 // transposed keys, so every inner loop is a vector over keys with no horizontal sums (one dot
-// product per key measured ~10x slower than transposing and scoring at 4 rows). Included by
+// product per key, each ending in a horizontal sum, was much slower in a micro-benchmark,
+// transpose included). Included by
 // paged_attention.cpp.
 #pragma once
 

@@ -4,8 +4,9 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (the latter when the checkpoint has
 a chat template), both streaming over server-sent events with `"stream": true`; GET /health,
-/v1/models and /metrics (Prometheus). The engine loop runs in one background thread; handlers
-only queue requests and await their tokens. Needs the `serve` extra (fastapi, uvicorn,
+/v1/models and /metrics (Prometheus). The engine runs in a process of its own
+(engine/engine_process.py; `--engine-loop thread` keeps it in a thread of this one); handlers
+only send it requests and await their tokens. Needs the `serve` extra (fastapi, uvicorn,
 prometheus-client, safetensors, tokenizers, jinja2).
 
 Limits (their values in --help; constants of examples/engine/json_body.py): a request body
@@ -16,14 +17,14 @@ the status is sent once the request has its first token, so a request refused or
 early gets a real 4xx or 500. A failure while serving one request fails it alone (500), never
 the others in flight. /metrics counts every response by endpoint and status, 500s included.
 
-Tensor parallelism: `--tensor-parallel-size N` shards the model over N ranks. This process is
-rank 0: it spawns ranks 1..N-1 (torch.multiprocessing; a FileStore in a temp dir is their
-rendezvous), serves, and broadcasts each step's batch to them over a gloo group; every rank
+Tensor parallelism: `--tensor-parallel-size N` shards the model over N ranks. The engine's
+process is rank 0: it spawns ranks 1..N-1 (torch.multiprocessing; a FileStore in a temp dir
+is their rendezvous) and broadcasts each step's batch to them over a gloo group; every rank
 runs it on its shard. The same flags work under torchrun, which starts every rank itself:
 
     torchrun --nproc-per-node 2 examples/serve.py --tensor-parallel-size 2 ...
 
-(rank 0 serves; the others follow it). A rank that dies stops the server: the requests in
+(rank 0 serves, its engine in a thread; the others follow it). A rank that dies stops the server: the requests in
 flight fail (500), /health answers 503, and the process exits with status 1, its log naming
 the rank and its exit code (under torchrun, torchrun's report names it). gloo on the CPU,
 nccl on CUDA (rank r on cuda:r), hccl on Ascend; `--distributed-timeout` bounds every wait for
@@ -47,11 +48,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvgraph import CompileError
-
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
-    from .engine import EngineDeadError, LLMEngine, run_if_worker
+    from .engine import EngineDeadError, run_if_worker
+    from .engine.engine_core import STARTUP_ERRORS
+    from .engine.engine_process import EngineProcess, EngineStartError
+    from .engine.tp_launch import torchrun_rendezvous
     from .engine.errors import ModelNotFound
     from .engine.http_answers import collect, events, merged, resume
     from .engine.sampling_params import SamplingParams
@@ -63,7 +65,10 @@ if __package__:
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
     from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
-    from engine import EngineDeadError, LLMEngine, run_if_worker
+    from engine import EngineDeadError, run_if_worker
+    from engine.engine_core import STARTUP_ERRORS
+    from engine.engine_process import EngineProcess, EngineStartError
+    from engine.tp_launch import torchrun_rendezvous
     from engine.errors import ModelNotFound
     from engine.http_answers import collect, events, merged, resume
     from engine.sampling_params import SamplingParams
@@ -76,6 +81,7 @@ else:  # run as `python examples/serve.py`: this folder, not the repo root, is o
 
 # "deepseek_mla" is the name earlier versions of this demo used.
 MODELS = {"llama": Llama, "mla": DeepseekMLA, "deepseek_mla": DeepseekMLA}
+ENGINE_LOOPS = ("process", "thread")
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT, "/health", "/v1/models", "/metrics")
 LIMITS = (f"limits: request bodies up to {MAX_BODY_MIB} MiB (413 past it); JSON nested up to "
@@ -84,7 +90,7 @@ LIMITS = (f"limits: request bodies up to {MAX_BODY_MIB} MiB (413 past it); JSON 
 logger = logging.getLogger("examples.serve")
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
     """The FastAPI app; it starts the engine loop on start-up and stops it on shut-down."""
 
     @contextlib.asynccontextmanager
@@ -97,7 +103,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                   exception_handlers={Exception: _internal_error})
     metrics = ServerMetrics(engine)
     app.add_middleware(CountResponses, counter=metrics.requests, endpoints=ENDPOINTS)
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
 
     async def generate(http: Request, chat: bool) -> Response:
         fmt = ResponseFormat(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model_name,
@@ -174,7 +180,7 @@ async def _internal_error(http: Request, error: Exception) -> JSONResponse:
                                    "server_error"), status_code=500)
 
 
-async def _start(engine: AsyncEngine, parsed: GenerationRequest, request_id: str
+async def _start(engine: AsyncEngine | EngineProcess, parsed: GenerationRequest, request_id: str
                  ) -> list[AsyncIterator[RequestOutput]]:
     """Each choice's output stream, its first output already there (so a refusal or failure
     that early is a real status); streams started before a failure are closed."""
@@ -238,6 +244,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_engine_args(parser, preset="small")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--engine-loop", choices=ENGINE_LOOPS, default="process",
+                        help="where the engine steps: a process of its own (default; the server "
+                        "and the engine then never wait for each other's GIL), or a thread of "
+                        "the server's process (always so under torchrun)")
     return parser.parse_args(argv)
 
 
@@ -248,35 +258,49 @@ def main(argv: Sequence[str] | None = None) -> None:
     if worker_exit is not None:
         raise SystemExit(worker_exit)
     try:
-        engine, _ = build_engine(args, MODELS)  # logs the compile and capture summary
+        engine = start_engine(args)  # logs the compile and capture summary
     # Before serving: a server that cannot load or compile its model never starts.
-    except (CompileError, EngineDeadError, FileNotFoundError, NotImplementedError,
-            ValueError) as error:
+    except (EngineStartError, *STARTUP_ERRORS) as error:
         logger.error("not serving: %s", error)
         raise SystemExit(1) from None
     try:
         fatal = serve(engine, args)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
+        fatal = None
     finally:
-        engine.runner.close()  # with tensor parallelism: the other ranks stop too
+        engine.close()  # with tensor parallelism: the other ranks stop too
     if fatal is not None:
         logger.error("the server stopped: %s", fatal)
         raise SystemExit(1)
 
 
-def serve(engine: LLMEngine, args: argparse.Namespace) -> EngineDeadError | None:
+def start_engine(args: argparse.Namespace) -> AsyncEngine | EngineProcess:
+    """The engine the server drives, built: in a process of its own, or (`--engine-loop
+    thread`, or under torchrun, where this process is rank 0) in a thread of this one."""
+    if args.engine_loop == "process" and torchrun_rendezvous() is None:
+        engine = EngineProcess(args, MODELS)
+        logger.info("the engine runs in process %d", engine.pid)
+        return engine
+    if args.engine_loop == "process":
+        logger.info("under torchrun the engine runs in a thread of rank 0's process")
+    return AsyncEngine(build_engine(args, MODELS)[0])
+
+
+def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace
+          ) -> EngineDeadError | None:
     """Serve until shut down, or until the engine dies (then stop at once); why it died."""
     server: uvicorn.Server | None = None
 
     def stop_serving(error: EngineDeadError) -> None:
-        server.should_exit = True  # from the engine thread: uvicorn polls it
+        server.should_exit = True  # from the engine's thread: uvicorn polls it
 
-    async_engine = AsyncEngine(engine, on_fatal=stop_serving)
-    app = build_app(async_engine, model_name(args))
+    engine.on_fatal = stop_serving
+    app = build_app(engine, model_name(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                            log_level="info"))
     logger.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     server.run()
-    return async_engine.fatal_error
+    return engine.fatal_error
 
 
 if __name__ == "__main__":

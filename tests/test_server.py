@@ -24,7 +24,7 @@ pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from examples.engine import AsyncEngine, build_engine  # noqa: E402
-from examples.serve import MODELS, BackgroundServer, build_app, parse_args  # noqa: E402
+from examples.serve import MODELS, BackgroundServer, build_app, parse_args, start_engine  # noqa: E402,E501
 from tests.test_checkpoint import write_checkpoint  # noqa: E402
 
 MAX_MODEL_LEN = 128
@@ -44,13 +44,17 @@ def checkpoint(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(model: str, mode: str, *flags: str):
+def serving(model: str, mode: str, *flags: str, engine_loop: str = "thread"):
     args = parse_args(["--model", model, "--graph-mode", mode, "--piece-compiler", "eager",
                        "--max-num-tokens", "32", "--capture-sizes", "1,2,4,8,16,32",
-                       "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN), *flags])
-    engine, _ = build_engine(args, MODELS)
-    with BackgroundServer(build_app(AsyncEngine(engine), "tiny")) as server:
-        yield server.url
+                       "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN),
+                       "--engine-loop", engine_loop, *flags])
+    engine = start_engine(args)
+    try:
+        with BackgroundServer(build_app(engine, "tiny")) as server:
+            yield server.url
+    finally:
+        engine.close()
 
 
 async def complete(client: httpx.AsyncClient, body: dict, path="/v1/completions") -> dict:
@@ -106,9 +110,12 @@ def test_reference_completions_are_whole(reference):
             assert (answer["tokens"], answer["finish_reason"]) == (body["max_tokens"], "length")
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise", "full_decode_only", "full"])
-def test_graph_modes_answer_like_eager(checkpoint, reference, mode):
-    with serving(str(checkpoint), mode) as url:
+@pytest.mark.parametrize("mode, engine_loop", [
+    ("piecewise", "thread"), ("piecewise", "process"), ("full_and_piecewise", "thread"),
+    ("full_decode_only", "thread"), ("full", "process")])
+def test_graph_modes_answer_like_eager(checkpoint, reference, mode, engine_loop):
+    """Graph modes, the engine in the server's process or a process of its own."""
+    with serving(str(checkpoint), mode, engine_loop=engine_loop) as url:
         answers = asyncio.run(complete_all(url, [request_body(i) for i in range(16)]))
         assert answers == reference
         assert metric(url, "kvgraph_graph_hits_total") > 0

@@ -45,36 +45,35 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stats_time = 0.0
 
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
         self._commands.put(None)
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def close(self) -> None:
+        """Release the engine's runner (with tensor parallelism, stop the other ranks)."""
+        self.engine.runner.close()
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse a request that could never run (RequestError), before it is queued."""
         self.engine.check(prompt_token_ids, params)
 
-    async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """The request's outputs, one per token; leaving early aborts it (its blocks are
         freed before the next step)."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, loop, outputs))
-        finished = False
-        try:
-            while not finished:
-                output = await outputs.get()
-                if isinstance(output, BaseException):
-                    finished = True
-                    raise output
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:  # the caller went away (a client disconnect cancels it here)
-                self._commands.put(lambda: self._abort(request_id))
+        def submit(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
+            self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, loop,
+                                                 outputs))
+
+        return request_stream(submit, lambda: self._commands.put(lambda: self._abort(request_id)))
 
     # --- the loop thread ------------------------------------------------------------------
 
@@ -103,16 +102,16 @@ class AsyncEngine:
     def _add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
              loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
         if self.fatal_error is not None:
-            _deliver(loop, outputs, RequestFailed(f"the engine stopped: {self.fatal_error}"))
+            deliver(loop, outputs, RequestFailed(f"the engine stopped: {self.fatal_error}"))
             return
         try:
             self.engine.add_request(prompt_token_ids, params, request_id)
         except RequestError as error:
-            _deliver(loop, outputs, error)
+            deliver(loop, outputs, error)
             return
         except Exception as error:  # the loop thread must outlive any request
             logger.exception("adding request %s failed", request_id)
-            _deliver(loop, outputs, RequestFailed(f"adding the request failed: {error}"))
+            deliver(loop, outputs, RequestFailed(f"adding the request failed: {error}"))
             return
         self._streams[request_id] = (loop, outputs)
 
@@ -129,13 +128,13 @@ class AsyncEngine:
         except Exception as error:  # a bug in the engine itself: fail its requests, not the server
             logger.exception("engine step failed; aborting every request in flight")
             for request_id, (loop, stream) in list(self._streams.items()):
-                _deliver(loop, stream, RequestFailed(f"engine step failed: {error}"))
+                deliver(loop, stream, RequestFailed(f"engine step failed: {error}"))
                 self._abort(request_id)
             return
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                _deliver(*stream, output if output.error is None else RequestFailed(output.error))
+                deliver(*stream, output if output.error is None else RequestFailed(output.error))
             if output.finished:
                 self._streams.pop(output.request_id, None)
 
@@ -144,7 +143,7 @@ class AsyncEngine:
         logger.critical("the engine cannot go on: %s", error)
         self.fatal_error = error
         for request_id, (loop, stream) in list(self._streams.items()):
-            _deliver(loop, stream, RequestFailed(f"the engine stopped: {error}"))
+            deliver(loop, stream, RequestFailed(f"the engine stopped: {error}"))
             self._abort(request_id)
         if self.on_fatal is not None:
             self.on_fatal(error)
@@ -156,8 +155,30 @@ class AsyncEngine:
             self._stats_time = now
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue, item: Any) -> None:
+def deliver(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue, item: Any) -> None:
     try:
         loop.call_soon_threadsafe(outputs.put_nowait, item)
     except RuntimeError:  # the caller's loop is closed: nobody is listening any more
         pass
+
+
+async def request_stream(submit: Callable[[asyncio.AbstractEventLoop, asyncio.Queue], None],
+                         on_leave: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs until it finishes, an exception among them raised: `submit(loop,
+    outputs)` starts it once the caller first asks, with the queue its outputs go to;
+    `on_leave()` is called if the caller leaves before it finishes."""
+    loop = asyncio.get_running_loop()
+    outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+    submit(loop, outputs)
+    finished = False
+    try:
+        while not finished:
+            output = await outputs.get()
+            if isinstance(output, BaseException):
+                finished = True
+                raise output
+            finished = output.finished
+            yield output
+    finally:
+        if not finished:  # the caller went away (a client disconnect cancels it here)
+            on_leave()

@@ -26,6 +26,7 @@ from .detokenizer import Detokenizer
 from .errors import EngineDeadError, RequestError
 from .logprobs import TokenLogprobs, batch_logprobs, prompt_logprobs
 from .request import Completion, FinishReason, Request, RequestOutput
+from .request_checks import check_request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
@@ -66,21 +67,8 @@ class LLMEngine:
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a request that could never run; safe from any thread."""
-        limit = self.runner.limits.max_model_len
-        if not prompt_token_ids:
-            raise RequestError("prompt", "the prompt is empty")
-        if len(prompt_token_ids) >= limit:
-            raise RequestError("prompt", f"the prompt has {len(prompt_token_ids)} tokens; the "
-                               f"context (max_model_len) is {limit}, and at least one must be left "
-                               "to generate into")
-        if len(prompt_token_ids) + params.max_tokens > limit:
-            raise RequestError("max_tokens", f"max_tokens={params.max_tokens} with a prompt of "
-                               f"{len(prompt_token_ids)} tokens exceeds the context "
-                               f"(max_model_len={limit}); at most "
-                               f"{limit - len(prompt_token_ids)} can be generated")
-        vocab = self.runner.vocab_size
-        if vocab is not None and any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError("prompt", f"prompt token ids must lie in [0, {vocab})")
+        check_request(prompt_token_ids, params, self.runner.limits.max_model_len,
+                      self.runner.vocab_size)
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> Request:

@@ -1,0 +1,209 @@
+"""EngineProcess: the engine in a process of its own, its outputs as asyncio streams.
+
+The server's default. The engine's step is Python between torch ops, and so is the server's
+work per token (JSON, server-sent events, sockets): in one process they take turns holding the
+GIL, and each waits out the other's switch interval. In two processes they run side by side,
+the server on the core the engine's compute threads leave free (threads.py). vLLM splits its
+server from its engine core the same way. engine_core.py is the other end of the pipe.
+
+Same surface as AsyncEngine: `start`, `stop`, `close`, `check`, `generate`, `stats`, `fatal_error`,
+`on_fatal`, `tokenizer`. Start-up builds the engine in the new process and waits for it, so a
+model that cannot load or compile fails here (EngineStartError), before anything is served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import logging
+import multiprocessing
+import threading
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
+
+from .async_engine import deliver, request_stream
+from .engine_core import (ABORT, ADD, FAILED, FATAL, OUTPUTS, READY, REFUSED, STEP_FAILED, STOP,
+                          STOPPED, EngineInfo, run_engine_core)
+from .errors import EngineDeadError, RequestError, RequestFailed
+from .request import RequestOutput
+from .request_checks import check_request
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Seconds `stop` waits for the engine process to exit before terminating it.
+STOP_TIMEOUT_S = 30.0
+
+
+class EngineStartError(RuntimeError):
+    """The engine process could not build its engine (the message says why), or died trying."""
+
+
+class EngineProcess:
+    """Builds an engine from the server's flags in a spawned process and drives it over a pipe.
+
+    Requests go to the engine process as messages; each step's outputs come back in one, which
+    a reader thread hands to each request's asyncio queue. A request's stream is registered
+    under the lock its message is sent under, which the reader takes too: no output can
+    arrive for a stream not yet known.
+    """
+
+    def __init__(self, args: argparse.Namespace, models: Mapping[str, Any],
+                 on_fatal: Callable[[EngineDeadError], None] | None = None):
+        self.on_fatal = on_fatal
+        self.fatal_error: EngineDeadError | None = None
+        # Spawned, not forked: a fork of a process that has started OpenMP's or torch's
+        # threads inherits their locks, not the threads.
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        # Not a daemon: with tensor parallelism the engine process starts the other ranks.
+        self._process = context.Process(target=run_engine_core, args=(child_conn, args, models),
+                                        name="kvgraph-engine")
+        self._process.start()
+        child_conn.close()  # so that the engine process dying reads as EOF here
+        # multiprocessing joins non-daemon children at exit: closing the pipe first makes a
+        # server that exits without `stop` end the engine process instead of waiting on it.
+        atexit.register(self._conn.close)
+        info = self._wait_ready()
+        self.tokenizer = info.tokenizer
+        self.summary = info.summary
+        self.stats: dict[str, Any] = info.stats  # replaced, never mutated: safe to read
+        self._max_model_len, self._vocab_size = info.max_model_len, info.vocab_size
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()  # over _streams and sends
+        self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def stop(self) -> None:
+        """Stop the engine process (it closes its runner, and any tensor-parallel ranks)."""
+        try:
+            self._send((STOP,))
+        except (BrokenPipeError, OSError):
+            pass  # already gone
+        if self._reader.is_alive():
+            self._reader.join(STOP_TIMEOUT_S)
+        self._process.join(STOP_TIMEOUT_S)
+        if self._process.is_alive():
+            logger.warning("the engine process did not stop in %.0f s; terminating it",
+                           STOP_TIMEOUT_S)
+            self._process.terminate()
+            self._process.join()
+        self._conn.close()
+        atexit.unregister(self._conn.close)
+
+    def close(self) -> None:
+        """`stop`, if it has not run (the engine process owns the runner)."""
+        self.stop()
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Refuse a request that could never run (RequestError), before it is sent."""
+        check_request(prompt_token_ids, params, self._max_model_len, self._vocab_size)
+
+    def generate(self, request_id: str, prompt_token_ids: Sequence[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The request's outputs, one per token; leaving early aborts it (its blocks are
+        freed before the engine's next step)."""
+
+        def submit(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
+            if self.fatal_error is not None:
+                outputs.put_nowait(RequestFailed(f"the engine stopped: {self.fatal_error}"))
+                return
+            with self._lock:
+                if request_id in self._streams:
+                    outputs.put_nowait(RequestError(
+                        "request_id", f"request id {request_id!r} is already in flight"))
+                    return
+                try:
+                    self._conn.send((ADD, request_id, list(prompt_token_ids), params))
+                except OSError:  # the engine process is gone; the reader says why
+                    outputs.put_nowait(RequestFailed("the engine process is not running"))
+                    return
+                self._streams[request_id] = (loop, outputs)
+
+        def leave() -> None:
+            with self._lock:
+                if self._streams.pop(request_id, None) is not None and self.fatal_error is None:
+                    try:
+                        self._conn.send((ABORT, request_id))
+                    except OSError:
+                        pass  # the engine process is gone, and the request with it
+
+        return request_stream(submit, leave)
+
+    # --- the reader thread ----------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == STOPPED:
+                    return
+                self._handle(message)
+        except (EOFError, OSError):
+            self._process.join(1.0)
+            self._die(EngineDeadError(f"the engine process exited unexpectedly (exit code "
+                                      f"{self._process.exitcode})"))
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == OUTPUTS:
+            _, outputs, stats = message
+            for output in outputs:
+                self._deliver(output.request_id, output if output.error is None
+                              else RequestFailed(output.error), output.finished)
+            if stats is not None:
+                self.stats = stats
+        elif kind == REFUSED:
+            _, request_id, param, text, status = message
+            error = RequestError(param, text)
+            error.status = status
+            self._deliver(request_id, error, True)
+        elif kind == STEP_FAILED:
+            _, request_ids, why = message
+            for request_id in request_ids:
+                self._deliver(request_id, RequestFailed(why), True)
+        elif kind == FATAL:
+            self._die(EngineDeadError(message[1]))
+
+    def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id) if last else self._streams.get(request_id)
+        if stream is not None:
+            deliver(*stream, item)
+
+    def _die(self, error: EngineDeadError) -> None:
+        """Fail every request in flight with `error`, refuse all later ones, tell `on_fatal`."""
+        if self.fatal_error is not None:
+            return
+        logger.critical("the engine cannot go on: %s", error)
+        with self._lock:
+            self.fatal_error = error
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            deliver(*stream, RequestFailed(f"the engine stopped: {error}"))
+        if self.on_fatal is not None:
+            self.on_fatal(error)
+
+    def _wait_ready(self) -> EngineInfo:
+        """The engine's start-up info, once it is built; EngineStartError if it is not."""
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join()
+            raise EngineStartError(f"the engine process exited during start-up (exit code "
+                                   f"{self._process.exitcode}); its log says why") from None
+        if message[0] == FAILED:
+            self._process.join()
+            raise EngineStartError(message[1])
+        assert message[0] == READY, message[0]
+        return message[1]
+
+    def _send(self, message: tuple) -> None:
+        with self._lock:
+            self._conn.send(message)

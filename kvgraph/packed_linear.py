@@ -12,10 +12,16 @@ packed matmul is kvgraph's own op, `kvgraph::packed_linear`, opaque to compilers
 attention ops; its fake kernel gives the output's shape.
 
 A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
+
+fp32 weights stay plain (MKL's sgemm reads them as they are), but an fp32 `nn.Linear` becomes a
+`SmallBatchLinear`: batches of up to 16 rows, a decode step's, run
+`kvgraph_cpu::small_batch_linear` (small_batch_linear.cpp among the CPU kernels), which reads
+the weight once per call where MKL copies it first; larger ones run `F.linear` as before.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -27,6 +33,8 @@ logger = logging.getLogger(__name__)
 # The dtypes packed by default: those whose plain matmul repacks the weight on every call.
 # fp32 matmuls go to MKL's sgemm, which reads the plain weight as it is (see the README).
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+# The dtype whose linears run the small-batch kernel (its only one).
+SMALL_BATCH_DTYPE = torch.float32
 # Rows oneDNN is told to expect when it chooses the packed layout: decode batches are small,
 # and a layout chosen for them also serves prefill (measured: README, "Packed weights").
 PACKING_BATCH_HINT = 16
@@ -90,6 +98,44 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed")
 
 
+def _small_batch_linear_fake(x: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
+def small_batch_kernel_loaded() -> bool:
+    """Whether `kvgraph_cpu::small_batch_linear` is loaded (the CPU kernels build on first use);
+    False, logged once, where they cannot be built."""
+    from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
+
+    try:
+        load_kernels()
+    except KernelBuildError as error:
+        logger.warning("kvgraph: fp32 linears run F.linear: %s", error)
+        return False
+    torch.library.register_fake("kvgraph_cpu::small_batch_linear", _small_batch_linear_fake)
+    return True
+
+
+class SmallBatchLinear(nn.Module):
+    """An fp32 CPU `nn.Linear` (same weight, same layout) whose batches of up to 16 rows run
+    kvgraph's small-batch kernel: the module `pack_linear_weights` puts in its place."""
+
+    def __init__(self, source: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.weight = source.weight
+        self.bias = source.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvgraph_cpu.small_batch_linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, small-batch kernel")
+
+
 def can_pack() -> bool:
     """Whether this torch has oneDNN (every x86 and Arm CPU build of torch does)."""
     return torch.backends.mkldnn.is_available()
@@ -127,3 +173,21 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK
     logger.info("kvgraph: packed %d linear weights for oneDNN (%s)", packed,
                 ", ".join(str(d).removeprefix("torch.") for d in dtypes))
     return packed
+
+
+def use_small_batch_linear(model: nn.Module) -> int:
+    """Make every fp32 CPU `nn.Linear` of `model` (or a subclass keeping its forward) a
+    `SmallBatchLinear`, in place; returns how many. Weights are not touched, so this may come
+    before or after loading them. None where the CPU kernels cannot be built (logged)."""
+    linears = [(parent, name, child) for parent in list(model.modules())
+               for name, child in list(parent.named_children())
+               if isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward
+               and child.weight.device.type == "cpu" and child.weight.dtype == SMALL_BATCH_DTYPE
+               and not getattr(child, "keeps_plain_weight", False)]
+    if not linears or not small_batch_kernel_loaded():
+        return 0
+    for parent, name, child in linears:
+        setattr(parent, name, SmallBatchLinear(child))
+    logger.info("kvgraph: %d fp32 linears run the small-batch kernel at up to 16 rows",
+                len(linears))
+    return len(linears)

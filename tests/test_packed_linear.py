@@ -7,8 +7,8 @@ from torch import nn
 
 import kvgraph
 from kvgraph.compilation.counters import compile_counters
-from kvgraph.packed_linear import (PackedLinear, is_packed, linear, pack_linear_weights,
-                                   pack_weight)
+from kvgraph.packed_linear import (PackedLinear, SmallBatchLinear, is_packed, linear,
+                                   pack_linear_weights, pack_weight)
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
 pytestmark = [pytest.mark.usefixtures("fresh_compile_state"),
@@ -19,7 +19,8 @@ BF16 = dict(atol=3e-2, rtol=3e-2)
 
 
 def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
-    return [m.weight for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    return [m.weight for m in model.modules()
+            if isinstance(m, (nn.Linear, PackedLinear, SmallBatchLinear))]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -126,7 +127,8 @@ def test_identical_layers_still_compile_once_and_the_cache_loads(compile_cache_d
 
 
 @pytest.mark.parametrize("flags, dtype, packed", [
-    ([], "bfloat16", True), (["--no-pack-weights"], "bfloat16", False), ([], "float32", False)])
+    ([], "bfloat16", True), (["--no-pack-weights"], "bfloat16", False), ([], "float32", False),
+    (["--no-pack-weights"], "float32", False)])
 def test_the_engine_packs_half_precision_weights_on_the_cpu_unless_told_not_to(flags, dtype,
                                                                                packed):
     import argparse
@@ -141,5 +143,8 @@ def test_the_engine_packs_half_precision_weights_on_the_cpu_unless_told_not_to(f
     try:
         weights = _linear_weights(engine.runner.model)
         assert weights and all(is_packed(w) == packed for w in weights)
+        # fp32 linears keep their weights and run the small-batch kernel, unless told not to.
+        small = [m for m in engine.runner.model.modules() if isinstance(m, SmallBatchLinear)]
+        assert bool(small) == (dtype == "float32" and "--no-pack-weights" not in flags)
     finally:
         engine.runner.close()

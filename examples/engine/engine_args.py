@@ -26,7 +26,7 @@ from torch import nn
 
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
-from kvgraph.packed_linear import pack_linear_weights
+from kvgraph.packed_linear import pack_linear_weights, use_small_batch_linear
 
 from .engine import LLMEngine
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
@@ -71,8 +71,9 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--block-size", type=positive_int,
                        help="tokens per cache block (default: the device's, 16; 128 on an NPU)")
     group.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
-                       help="on the CPU, pack bf16/fp16 linear weights for oneDNN once at load "
-                       "(kvgraph.packed_linear); fp32 weights stay as they are")
+                       help="on the CPU, pack bf16/fp16 linear weights for oneDNN once at load, "
+                       "and run fp32 linears of up to 16 rows in kvgraph's small-batch kernel "
+                       "(kvgraph.packed_linear)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
@@ -164,6 +165,7 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
     model, tokenizer = load_model(args, models, tp=tp if tp.world_size > 1 else None)
     if args.pack_weights and torch.device(device).type == "cpu":
         pack_linear_weights(model)
+        use_small_batch_linear(model)
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)

@@ -1,7 +1,7 @@
-"""Builds the CPU attention kernels on first use, into kvgraph's cache dir, and loads them.
+"""Builds the CPU kernels (attention, small-batch linear) on first use, into kvgraph's cache dir.
 
-The C++ source ships with the package (`paged_attention.cpp` and the header it includes);
-torch's extension machinery (`torch.utils.cpp_extension.load`, which needs a C++ compiler and
+The C++ sources ship with the package (`paged_attention.cpp`, the header it includes, and
+`small_batch_linear.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`, which needs a C++ compiler and
 ninja, as inductor needs a compiler) builds it once into `<cache dir>/cpu_attention/<key>`, where
 the key covers the sources, torch's version, the flags and the processor (the build is
 `-march=native`). A second process finds the library there and only loads it. The cache dir is
@@ -37,8 +37,11 @@ from kvgraph.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
-HEADERS = (Path(__file__).with_name("attention_tiles.h"),)  # included by SOURCE
+# The CPU platform's native kernels: paged attention, and the small-batch linear that
+# kvgraph.packed_linear routes fp32 linears through.
+SOURCES = (Path(__file__).with_name("paged_attention.cpp"),
+           Path(__file__).with_name("small_batch_linear.cpp"))
+HEADERS = (Path(__file__).with_name("attention_tiles.h"),)  # included by paged_attention.cpp
 LIBRARY_NAME = "kvgraph_cpu_attention"
 # OpenMP: at::parallel_for runs on torch's threads. On x86, GCC's tuning for recent Intel cores
 # keeps loops at 256-bit vectors, half of what AVX-512 offers the tiles' loops.
@@ -70,8 +73,7 @@ def _processor() -> str:
 def build_key() -> str:
     """The build dir's name: it changes with anything that changes the library."""
     digest = hashlib.sha256()
-    sources = (SOURCE, *HEADERS)
-    for part in (*(path.read_bytes() for path in sources), torch.__version__.encode(),
+    for part in (*(path.read_bytes() for path in (*SOURCES, *HEADERS)), torch.__version__.encode(),
                  " ".join(CFLAGS).encode(), _processor().encode()):
         digest.update(part)
         digest.update(b"\0")
@@ -112,7 +114,7 @@ def build_and_load(root: Path) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(directory / TORCH_BUILD_LOCK)
         start = time.perf_counter()
-        cpp_extension.load(LIBRARY_NAME, [str(SOURCE)], extra_cflags=list(CFLAGS),
+        cpp_extension.load(LIBRARY_NAME, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
                            extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                            is_python_module=False)
         logger.info("kvgraph: CPU attention kernels ready from %s in %.2f s", directory,

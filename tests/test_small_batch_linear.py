@@ -1,0 +1,134 @@
+"""The small-batch fp32 linear (`kvgraph_cpu::small_batch_linear`, SmallBatchLinear): the
+float64 product for every row count, ragged shapes and strided inputs; each row the same
+bits whatever batch it came in; F.linear past 16 rows; and models whose fp32 linears run it
+generating what plain ones do, in graphs, with eager and inductor pieces."""
+
+import pytest
+import torch
+from torch import nn
+
+import kvgraph
+from kvgraph.compilation.counters import compile_counters
+from kvgraph.packed_linear import (SmallBatchLinear, small_batch_kernel_loaded,
+                                   use_small_batch_linear)
+from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
+
+pytestmark = pytest.mark.skipif(not small_batch_kernel_loaded(),
+                                reason="kvgraph's CPU kernels cannot be built here")
+
+# fp32 sums of up to 1408 products in another order than float64's.
+FP32 = dict(atol=2e-4, rtol=1e-4)
+ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 40]  # 17 and 40 go to F.linear
+
+
+def small_batch_linear(x, weight, bias=None):
+    return torch.ops.kvgraph_cpu.small_batch_linear(x, weight, bias)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (3, 17), (130, 512), (7, 1408)])
+def test_the_float64_product_for_every_row_count_and_ragged_shape(rows, out_features,
+                                                                  in_features):
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    bias = torch.randn(out_features)
+    for b in (None, bias):
+        want = nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        torch.testing.assert_close(small_batch_linear(x, weight, b).double(), want, **FP32)
+
+
+def test_strided_rows_and_leading_dims_are_read_as_they_are():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(12, 40), torch.randn(12)
+    wide = torch.randn(6, 100)
+    rows = wide[:, 30:70]  # a row stride of 100, as a slice of a fused projection has
+    assert not rows.is_contiguous()
+    torch.testing.assert_close(small_batch_linear(rows, weight, bias),
+                               nn.functional.linear(rows, weight, bias), **FP32)
+    x = torch.randn(2, 3, 40)
+    got = small_batch_linear(x, weight, bias)
+    assert got.shape == (2, 3, 12)
+    torch.testing.assert_close(got, nn.functional.linear(x, weight, bias), **FP32)
+
+
+def test_a_row_has_the_same_bits_in_any_batch():
+    """Each output is one dot product summed in one order, whatever else is in the batch: a
+    request's tokens do not depend on its neighbours in a decode step."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(16, 512), torch.randn(96, 512)
+    batch = small_batch_linear(x, weight)
+    for i in range(16):
+        assert torch.equal(small_batch_linear(x[i:i + 1], weight), batch[i:i + 1])
+    assert torch.equal(small_batch_linear(x[3:9], weight), batch[3:9])
+
+
+def test_other_dtypes_and_shapes_that_disagree():
+    weight = torch.randn(8, 16, dtype=torch.bfloat16)
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    assert torch.equal(small_batch_linear(x, weight), nn.functional.linear(x, weight))
+    with pytest.raises(RuntimeError, match=r"x \[..., in\] and weight \[out, in\] disagree"):
+        small_batch_linear(torch.randn(2, 15), torch.randn(8, 16))
+
+
+def test_only_fp32_plain_linears_change_and_their_weights_stay_the_same_tensors():
+    class OwnForward(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    keeps = nn.Linear(4, 6)
+    keeps.keeps_plain_weight = True
+    model = nn.ModuleDict({"fp32": nn.Linear(4, 6), "bf16": nn.Linear(4, 6, dtype=torch.bfloat16),
+                           "own": OwnForward(4, 6), "keeps": keeps})
+    weight = model["fp32"].weight
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        want = model["fp32"](x)
+        assert use_small_batch_linear(model) == 1
+        assert isinstance(model["fp32"], SmallBatchLinear) and model["fp32"].weight is weight
+        assert type(model["bf16"]) is nn.Linear and type(model["own"]) is OwnForward
+        assert type(model["keeps"]) is nn.Linear
+        torch.testing.assert_close(model["fp32"](x), want, **FP32)
+    assert use_small_batch_linear(model) == 0  # nothing left to change
+
+
+def _runner(model, mode, piece_compiler="eager", **config):
+    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler=piece_compiler,
+                                       capture_sizes=CAPTURE_SIZES, check_graph_inputs=True,
+                                       **config)
+    return kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
+                               max_num_tokens=32, max_num_seqs=8)
+
+
+def _model(kind, small_batch, num_layers=None):
+    model = make_model(kind, num_layers)
+    if small_batch:
+        assert use_small_batch_linear(model) > 0
+    return model
+
+
+def _assert_generates_like(runner, plain):
+    want_logits, want_tokens = generate(plain, plain.vocab_size)
+    logits, tokens = generate(runner, runner.vocab_size)
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        torch.testing.assert_close(got, want, **FP32, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_models_run_in_graphs_as_plain_ones_do(kind, mode):
+    runner = _runner(_model(kind, small_batch=True), mode)
+    assert runner.capture()["graphs"] > 0
+    _assert_generates_like(runner, _runner(_model(kind, small_batch=False), "eager"))
+
+
+@pytest.mark.slow  # inductor
+def test_inductor_pieces_call_it_and_identical_layers_compile_once(compile_cache_dir):
+    compile_counters.reset()
+    # Four layers: the pieces between layers 0-1, 1-2 and 2-3 are identical.
+    runner = _runner(_model("llama", small_batch=True, num_layers=4), "piecewise", "inductor",
+                     cache_dir=compile_cache_dir)
+    runner.capture()
+    counters = compile_counters.snapshot()
+    assert 0 < counters["unique_pieces"] < counters["pieces"]
+    _assert_generates_like(runner, _runner(_model("llama", False, num_layers=4), "eager"))

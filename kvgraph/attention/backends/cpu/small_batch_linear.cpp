@@ -28,48 +28,74 @@ constexpr int64_t MAX_ROWS = 16;
 
 #ifdef __AVX512F__
 constexpr int64_t WEIGHT_ROWS = 4;  // outputs per pass
-constexpr int64_t INPUT_ROWS = 4;   // inputs per pass: 16 accumulators with WEIGHT_ROWS
+constexpr int64_t INPUT_ROWS = 4;   // inputs per tile: 16 accumulators with WEIGHT_ROWS
 
-// out[i][j] = x[i] . w[j] (+ bias[j]) for R input rows and C weight rows; `next` (or null) is
-// the next pass's weight rows, fetched into cache meanwhile.
-template <int64_t R, int64_t C>
-void dot_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-              float* out, int64_t ldo, const float* next) {
-  __m512 acc[R][C];
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
+// One input row's four dot products. Named members, not an array: GCC keeps an array of
+// vectors in memory and stores every accumulator after every FMA.
+struct RowSums {
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(),
+         s3 = _mm512_setzero_ps();
+
+  void add(__m512 x, __m512 w0, __m512 w1, __m512 w2, __m512 w3) {
+    s0 = _mm512_fmadd_ps(x, w0, s0);
+    s1 = _mm512_fmadd_ps(x, w1, s1);
+    s2 = _mm512_fmadd_ps(x, w2, s2);
+    s3 = _mm512_fmadd_ps(x, w3, s3);
+  }
+
+  // Output j of this row (+ bias), for j < columns.
+  void store(float* out, int64_t columns, const float* bias) const {
+    const float sums[4] = {_mm512_reduce_add_ps(s0), _mm512_reduce_add_ps(s1),
+                           _mm512_reduce_add_ps(s2), _mm512_reduce_add_ps(s3)};
+    for (int64_t j = 0; j < columns; ++j) out[j] = sums[j] + (bias != nullptr ? bias[j] : 0.f);
+  }
+};
+
+// out[i][j] = x[i] . w[j] (+ bias[j]) for i < rows, j < columns: always a 4x4 tile, the
+// missing input and weight rows read as copies of the last real one (their sums are dropped).
+// Meanwhile it fetches into cache the rows of `next` (the next pass's weights, or null)
+// numbered `first`, `first + stride`, ...: each tile of a pass fetches its share, so the
+// weights stream from memory all through the pass, not only while its first tile runs.
+void dot_tile(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t columns,
+              int64_t K, const float* bias, float* out, int64_t ldo, const float* next,
+              int64_t first, int64_t stride) {
+  const float* xr[4];
+  const float* wr[4];
+  for (int64_t i = 0; i < 4; ++i) {
+    xr[i] = x + std::min(i, rows - 1) * ldx;
+    wr[i] = w + std::min(i, columns - 1) * K;
+  }
+  RowSums r0, r1, r2, r3;
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mask = K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
-    __m512 wv[C];
-    for (int64_t j = 0; j < C; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * K + k);
+    const __m512 w0 = _mm512_maskz_loadu_ps(mask, wr[0] + k);
+    const __m512 w1 = _mm512_maskz_loadu_ps(mask, wr[1] + k);
+    const __m512 w2 = _mm512_maskz_loadu_ps(mask, wr[2] + k);
+    const __m512 w3 = _mm512_maskz_loadu_ps(mask, wr[3] + k);
     if (next != nullptr)
-      for (int64_t j = 0; j < WEIGHT_ROWS; ++j)
+      for (int64_t j = first; j < WEIGHT_ROWS; j += stride)
         _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
-    for (int64_t i = 0; i < R; ++i) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + i * ldx + k);
-      for (int64_t j = 0; j < C; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
+    r0.add(_mm512_maskz_loadu_ps(mask, xr[0] + k), w0, w1, w2, w3);
+    r1.add(_mm512_maskz_loadu_ps(mask, xr[1] + k), w0, w1, w2, w3);
+    r2.add(_mm512_maskz_loadu_ps(mask, xr[2] + k), w0, w1, w2, w3);
+    r3.add(_mm512_maskz_loadu_ps(mask, xr[3] + k), w0, w1, w2, w3);
   }
-  for (int64_t i = 0; i < R; ++i)
-    for (int64_t j = 0; j < C; ++j)
-      out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]) + (bias != nullptr ? bias[j] : 0.f);
+  // By name: an array of their addresses would keep them in memory all along, as above.
+  r0.store(out, columns, bias);
+  if (rows > 1) r1.store(out + ldo, columns, bias);
+  if (rows > 2) r2.store(out + 2 * ldo, columns, bias);
+  if (rows > 3) r3.store(out + 3 * ldo, columns, bias);
 }
 
-// Every input row against C weight rows; only the first pass prefetches (the later ones read
+// Every input row against up to four weight rows, INPUT_ROWS at a time (the later tiles read
 // the same weight rows, by then in L1).
-template <int64_t C>
-void weight_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t K,
-                 const float* bias, float* out, int64_t ldo, const float* next) {
-  int64_t m = 0;
-  for (; m + INPUT_ROWS <= M; m += INPUT_ROWS, next = nullptr)
-    dot_tile<INPUT_ROWS, C>(x + m * ldx, ldx, w, K, bias, out + m * ldo, ldo, next);
-  x += m * ldx;
-  out += m * ldo;
-  switch (M - m) {
-    case 3: dot_tile<3, C>(x, ldx, w, K, bias, out, ldo, next); break;
-    case 2: dot_tile<2, C>(x, ldx, w, K, bias, out, ldo, next); break;
-    case 1: dot_tile<1, C>(x, ldx, w, K, bias, out, ldo, next); break;
-    default: break;
+void weight_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t columns,
+                 int64_t K, const float* bias, float* out, int64_t ldo, const float* next) {
+  const int64_t tiles = (M + INPUT_ROWS - 1) / INPUT_ROWS;
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t m = t * INPUT_ROWS;
+    dot_tile(x + m * ldx, ldx, std::min(INPUT_ROWS, M - m), w, columns, K, bias,
+             out + m * ldo, ldo, next, t, tiles);
   }
 }
 
@@ -83,12 +109,7 @@ void small_batch_matmul(const float* x, int64_t ldx, int64_t M, const float* w, 
       const float* b = bias != nullptr ? bias + n : nullptr;
       const float* next = p + 1 < end && n + 2 * WEIGHT_ROWS <= N ? w + (n + WEIGHT_ROWS) * K
                                                                   : nullptr;
-      switch (rows) {
-        case 4: weight_rows<4>(x, ldx, M, w + n * K, K, b, out + n, N, next); break;
-        case 3: weight_rows<3>(x, ldx, M, w + n * K, K, b, out + n, N, next); break;
-        case 2: weight_rows<2>(x, ldx, M, w + n * K, K, b, out + n, N, next); break;
-        default: weight_rows<1>(x, ldx, M, w + n * K, K, b, out + n, N, next); break;
-      }
+      weight_rows(x, ldx, M, w + n * K, rows, K, b, out + n, N, next);
     }
   });
 }

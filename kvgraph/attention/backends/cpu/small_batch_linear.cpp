@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -116,7 +118,7 @@ void small_batch_matmul(const float* x, int64_t ldx, int64_t M, const float* w, 
 #endif
 
 bool runs_here(const at::Tensor& x2d, const at::Tensor& weight,
-               const c10::optional<at::Tensor>& bias) {
+               const std::optional<at::Tensor>& bias) {
 #ifdef __AVX512F__
   return x2d.size(0) <= MAX_ROWS && x2d.scalar_type() == at::kFloat &&
          weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
@@ -128,7 +130,7 @@ bool runs_here(const at::Tensor& x2d, const at::Tensor& weight,
 }
 
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
-                              const c10::optional<at::Tensor>& bias) {
+                              const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
               "small_batch_linear: x [..., in] and weight [out, in] disagree: x ", x.sizes(),
               ", weight ", weight.sizes());

@@ -53,11 +53,14 @@ struct RowSums {
   }
 };
 
-// out[i][j] = x[i] . w[j] (+ bias[j]) for i < rows, j < columns: always a 4x4 tile, the
-// missing input and weight rows read as copies of the last real one (their sums are dropped).
+// out[i][j] = x[i] . w[j] (+ bias[j]) for i < rows, j < columns: a 4x4 tile (a 1x4 one for a
+// batch of one row), the missing input and weight rows read as copies of the last real one
+// (their sums are dropped). Each sum is added up in the same order either way, so a row's
+// outputs have the same bits alone and in a batch.
 // Meanwhile it fetches into cache the rows of `next` (the next pass's weights, or null)
 // numbered `first`, `first + stride`, ...: each tile of a pass fetches its share, so the
 // weights stream from memory all through the pass, not only while its first tile runs.
+template <bool kOneRow>
 void dot_tile(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t columns,
               int64_t K, const float* bias, float* out, int64_t ldo, const float* next,
               int64_t first, int64_t stride) {
@@ -78,9 +81,11 @@ void dot_tile(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t
       for (int64_t j = first; j < WEIGHT_ROWS; j += stride)
         _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
     r0.add(_mm512_maskz_loadu_ps(mask, xr[0] + k), w0, w1, w2, w3);
-    r1.add(_mm512_maskz_loadu_ps(mask, xr[1] + k), w0, w1, w2, w3);
-    r2.add(_mm512_maskz_loadu_ps(mask, xr[2] + k), w0, w1, w2, w3);
-    r3.add(_mm512_maskz_loadu_ps(mask, xr[3] + k), w0, w1, w2, w3);
+    if constexpr (!kOneRow) {
+      r1.add(_mm512_maskz_loadu_ps(mask, xr[1] + k), w0, w1, w2, w3);
+      r2.add(_mm512_maskz_loadu_ps(mask, xr[2] + k), w0, w1, w2, w3);
+      r3.add(_mm512_maskz_loadu_ps(mask, xr[3] + k), w0, w1, w2, w3);
+    }
   }
   // By name: an array of their addresses would keep them in memory all along, as above.
   r0.store(out, columns, bias);
@@ -93,11 +98,15 @@ void dot_tile(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t
 // the same weight rows, by then in L1).
 void weight_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t columns,
                  int64_t K, const float* bias, float* out, int64_t ldo, const float* next) {
+  if (M == 1) {  // a quarter of a 4x4 tile's FMAs
+    dot_tile<true>(x, ldx, 1, w, columns, K, bias, out, ldo, next, 0, 1);
+    return;
+  }
   const int64_t tiles = (M + INPUT_ROWS - 1) / INPUT_ROWS;
   for (int64_t t = 0; t < tiles; ++t) {
     const int64_t m = t * INPUT_ROWS;
-    dot_tile(x + m * ldx, ldx, std::min(INPUT_ROWS, M - m), w, columns, K, bias,
-             out + m * ldo, ldo, next, t, tiles);
+    dot_tile<false>(x + m * ldx, ldx, std::min(INPUT_ROWS, M - m), w, columns, K, bias,
+                    out + m * ldo, ldo, next, t, tiles);
   }
 }
 

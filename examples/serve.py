@@ -24,9 +24,10 @@ runs it on its shard. The same flags work under torchrun, which starts every ran
 
     torchrun --nproc-per-node 2 examples/serve.py --tensor-parallel-size 2 ...
 
-(rank 0 serves, its engine in a thread; the others follow it). A rank that dies stops the server: the requests in
-flight fail (500), /health answers 503, and the process exits with status 1, its log naming
-the rank and its exit code (under torchrun, torchrun's report names it). gloo on the CPU,
+(rank 0 serves, its engine in a thread; the others follow it). A rank that dies stops the
+server: the requests in flight fail (500), /health answers 503, and the process exits with
+status 1, its log naming the rank and its exit code (under torchrun, torchrun's report names
+it). gloo on the CPU,
 nccl on CUDA (rank r on cuda:r), hccl on Ascend; `--distributed-timeout` bounds every wait for
 a peer.
 """

@@ -24,7 +24,8 @@ pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from examples.engine import AsyncEngine, build_engine  # noqa: E402
-from examples.serve import MODELS, BackgroundServer, build_app, parse_args, start_engine  # noqa: E402,E501
+from examples.serve import (MODELS, BackgroundServer, build_app, parse_args,  # noqa: E402
+                           start_engine)
 from tests.test_checkpoint import write_checkpoint  # noqa: E402
 
 MAX_MODEL_LEN = 128

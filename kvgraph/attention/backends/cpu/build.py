@@ -1,10 +1,10 @@
 """Builds the CPU kernels (attention, small-batch linear) on first use, into kvgraph's cache dir.
 
 The C++ sources ship with the package (`paged_attention.cpp`, the header it includes, and
-`small_batch_linear.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`, which needs a C++ compiler and
-ninja, as inductor needs a compiler) builds it once into `<cache dir>/cpu_attention/<key>`, where
-the key covers the sources, torch's version, the flags and the processor (the build is
-`-march=native`). A second process finds the library there and only loads it. The cache dir is
+`small_batch_linear.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`,
+which needs a C++ compiler and ninja, as inductor needs a compiler) builds them once into
+`<cache dir>/cpu_attention/<key>`, where the key covers the sources, torch's version, the flags
+and the processor (the build is `-march=native`). A second process finds the library there and only loads it. The cache dir is
 kvgraph's default one (`KVGRAPH_CACHE_DIR`, else `$XDG_CACHE_HOME/kvgraph`: where compiled pieces
 go unless a config names another; a backend is chosen before any config reaches it), and the
 same trust rules hold: the library is code, so a tree with a link, or with anything another user
@@ -114,10 +114,11 @@ def build_and_load(root: Path) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(directory / TORCH_BUILD_LOCK)
         start = time.perf_counter()
-        cpp_extension.load(LIBRARY_NAME, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+        cpp_extension.load(LIBRARY_NAME, [str(source) for source in SOURCES],
+                           extra_cflags=list(CFLAGS),
                            extra_ldflags=list(LDFLAGS), build_directory=str(directory),
                            is_python_module=False)
-        logger.info("kvgraph: CPU attention kernels ready from %s in %.2f s", directory,
+        logger.info("kvgraph: CPU kernels ready from %s in %.2f s", directory,
                     time.perf_counter() - start)
     return directory
 

@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import logging
 import multiprocessing
+import queue
 import threading
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
@@ -42,10 +43,11 @@ class EngineStartError(RuntimeError):
 class EngineProcess:
     """Builds an engine from the server's flags in a spawned process and drives it over a pipe.
 
-    Requests go to the engine process as messages; each step's outputs come back in one, which
-    a reader thread hands to each request's asyncio queue. A request's stream is registered
-    under the lock its message is sent under, which the reader takes too: no output can
-    arrive for a stream not yet known.
+    Requests go to the engine process as messages, sent by a writer thread (a send blocks when
+    the pipe is full, as it is while a burst of requests meets a long step, and the event loop
+    must not); each step's outputs come back in one, which a reader thread hands to each
+    request's asyncio queue. A request's stream is registered before its message is queued:
+    no output can arrive for a stream not yet known.
     """
 
     def __init__(self, args: argparse.Namespace, models: Mapping[str, Any],
@@ -70,7 +72,9 @@ class EngineProcess:
         self.stats: dict[str, Any] = info.stats  # replaced, never mutated: safe to read
         self._max_model_len, self._vocab_size = info.max_model_len, info.vocab_size
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._lock = threading.Lock()  # over _streams and sends
+        self._lock = threading.Lock()  # over _streams
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name="engine-inputs", daemon=True)
         self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
 
     @property
@@ -78,14 +82,20 @@ class EngineProcess:
         return self._process.pid
 
     def start(self) -> None:
+        self._writer.start()
         self._reader.start()
 
     def stop(self) -> None:
         """Stop the engine process (it closes its runner, and any tensor-parallel ranks)."""
-        try:
-            self._send((STOP,))
-        except (BrokenPipeError, OSError):
-            pass  # already gone
+        if self._writer.is_alive():
+            self._outbox.put((STOP,))
+            self._outbox.put(None)
+            self._writer.join(STOP_TIMEOUT_S)
+        else:
+            try:
+                self._conn.send((STOP,))
+            except OSError:
+                pass  # already gone, or never started
         if self._reader.is_alive():
             self._reader.join(STOP_TIMEOUT_S)
         self._process.join(STOP_TIMEOUT_S)
@@ -111,32 +121,35 @@ class EngineProcess:
         freed before the engine's next step)."""
 
         def submit(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
-            if self.fatal_error is not None:
-                outputs.put_nowait(RequestFailed(f"the engine stopped: {self.fatal_error}"))
-                return
-            with self._lock:
+            with self._lock:  # _die sets fatal_error under it: no stream registers after
+                if self.fatal_error is not None:
+                    outputs.put_nowait(RequestFailed(f"the engine stopped: {self.fatal_error}"))
+                    return
                 if request_id in self._streams:
                     outputs.put_nowait(RequestError(
                         "request_id", f"request id {request_id!r} is already in flight"))
                     return
-                try:
-                    self._conn.send((ADD, request_id, list(prompt_token_ids), params))
-                except OSError:  # the engine process is gone; the reader says why
-                    outputs.put_nowait(RequestFailed("the engine process is not running"))
-                    return
                 self._streams[request_id] = (loop, outputs)
+            self._outbox.put((ADD, request_id, list(prompt_token_ids), params))
 
         def leave() -> None:
             with self._lock:
-                if self._streams.pop(request_id, None) is not None and self.fatal_error is None:
-                    try:
-                        self._conn.send((ABORT, request_id))
-                    except OSError:
-                        pass  # the engine process is gone, and the request with it
+                left = self._streams.pop(request_id, None) is not None
+            if left and self.fatal_error is None:
+                self._outbox.put((ABORT, request_id))
 
         return request_stream(submit, leave)
 
-    # --- the reader thread ----------------------------------------------------------------
+    # --- the writer and reader threads ----------------------------------------------------
+
+    def _write(self) -> None:
+        message = self._outbox.get()
+        while message is not None:
+            try:
+                self._conn.send(message)
+            except OSError:  # the engine process is gone: the reader reports it
+                return
+            message = self._outbox.get()
 
     def _read(self) -> None:
         try:
@@ -203,7 +216,3 @@ class EngineProcess:
             raise EngineStartError(message[1])
         assert message[0] == READY, message[0]
         return message[1]
-
-    def _send(self, message: tuple) -> None:
-        with self._lock:
-            self._conn.send(message)

@@ -120,7 +120,7 @@ def small_batch_kernel_loaded() -> bool:
 
 class SmallBatchLinear(nn.Module):
     """An fp32 CPU `nn.Linear` (same weight, same layout) whose batches of up to 16 rows run
-    kvgraph's small-batch kernel: the module `pack_linear_weights` puts in its place."""
+    kvgraph's small-batch kernel: the module `use_small_batch_linear` puts in its place."""
 
     def __init__(self, source: nn.Linear):
         super().__init__()

@@ -90,7 +90,7 @@ class EngineCore:
         try:
             while True:
                 stepping = self.engine.has_unfinished and not self.dead
-                if (not stepping or self.conn.poll()) and not self._apply_commands(stepping):
+                if (not stepping or self.conn.poll()) and not self._apply_commands():
                     break
                 if stepping:
                     self._step()
@@ -98,8 +98,8 @@ class EngineCore:
         except (EOFError, BrokenPipeError, ConnectionResetError):
             logger.warning("the server went away; the engine process stops")
 
-    def _apply_commands(self, stepping: bool) -> bool:
-        """Apply every command waiting (wait for one when not stepping); False on STOP."""
+    def _apply_commands(self) -> bool:
+        """Apply the waiting commands (wait for the first if none is); False on STOP."""
         while True:
             message = self.conn.recv()
             if message[0] == STOP:

@@ -1,15 +1,23 @@
-"""Linear weights packed once for oneDNN on the CPU, so no step repacks them.
+"""Linear weights packed once for the CPU's fast kernels, so no step repacks them.
 
 torch's CPU linear hands oneDNN a plain `[out, in]` weight, and for bf16 and fp16 oneDNN
 reorders it into its blocked layout (the one AMX and AVX-512 kernels read) on every call: a copy
-of the whole weight per matmul per step. `pack_linear_weights(model)` reorders each weight once,
-at load, into an opaque oneDNN tensor (`layout=torch._mkldnn`).
+of the whole weight per matmul per step. `pack_linear_weights(model)` packs each weight once, at
+load:
+
+- bf16, where the processor has AMX (and the weight is [16 n, 32 k]): kvgraph's own layout, a
+  plain bf16 tensor `[out / 16, in / 2, 16, 2]` read by `kvgraph_cpu::bf16_linear`
+  (bf16_linear.cpp among the CPU kernels: AMX tiles, and AVX512-BF16 dot products for up to
+  four rows). torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode
+  step of dozens of small matmuls feels (README, "bf16 linears").
+- otherwise (fp16; bf16 without AMX): oneDNN's blocked layout, an opaque tensor
+  (`layout=torch._mkldnn`) run by `kvgraph::packed_linear` through mkldnn's linear.
 
 A packed weight stays a parameter, so a graph input: identical layers still compile once.
 (Inductor's `freezing` packs too, but makes each layer's weights constants of its own graph, so
-each layer compiles anew.) Inductor lowers mkldnn's linear only on constant weights, so the
-packed matmul is kvgraph's own op, `kvgraph::packed_linear`, opaque to compilers like the
-attention ops; its fake kernel gives the output's shape.
+each layer compiles anew.) Inductor lowers mkldnn's linear only on constant weights, so both
+packed matmuls are ops of kvgraph's own, opaque to compilers like the attention ops; their fake
+kernels give the output's shape.
 
 A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
 
@@ -57,26 +65,73 @@ _library.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("kvgraph::packed_linear", _packed_linear_fake, lib=_library)
 
 
+def _bf16_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+                      ) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0] * BF16_TILE[0])
+
+
+@functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
+def bf16_tiles_usable() -> bool:
+    """Whether bf16 weights pack into kvgraph's tile layout here: the CPU kernels build and the
+    processor has AMX (Linux grants its tiles). False, logged once, otherwise."""
+    from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
+
+    try:
+        load_kernels()
+    except KernelBuildError as error:
+        logger.warning("kvgraph: bf16 linears run oneDNN's: %s", error)
+        return False
+    torch.library.register_fake("kvgraph_cpu::bf16_linear", _bf16_linear_fake)
+    usable = torch.ops.kvgraph_cpu.bf16_linear_level() == 2
+    logger.info("kvgraph: bf16 linears run %s", "kvgraph's AMX kernel" if usable
+                else "oneDNN's (this processor has no AMX)")
+    return usable
+
+
+# A tile-packed weight's last two dims: 16 outputs, and a pair of inputs for each.
+BF16_TILE = (16, 2)
+
+
+def is_tile_packed(weight: torch.Tensor) -> bool:
+    """Whether `weight` is in kvgraph's bf16 tile layout `[out / 16, in / 2, 16, 2]`."""
+    return (weight.dim() == 4 and tuple(weight.shape[2:]) == BF16_TILE
+            and weight.dtype == torch.bfloat16)
+
+
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether `weight` is a oneDNN-packed (opaque) tensor."""
-    return weight.layout == torch._mkldnn
+    """Whether `weight` is packed: oneDNN's opaque tensor or kvgraph's bf16 tile layout."""
+    return weight.layout == torch._mkldnn or is_tile_packed(weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
     """`F.linear`, for a plain or a packed weight (a packed one knows its `[out, in]` shape)."""
-    if is_packed(weight):
+    if is_tile_packed(weight):
+        return torch.ops.kvgraph_cpu.bf16_linear(x, weight, bias)
+    if weight.layout == torch._mkldnn:
         return torch.ops.kvgraph.packed_linear(x, weight, bias, weight.shape[0])
     return F.linear(x, weight, bias)
 
 
+def tile_packable(weight: torch.Tensor) -> bool:
+    """Whether `weight` can take the bf16 tile layout here (bf16, [16 n, 32 k], AMX)."""
+    out_features, in_features = weight.shape
+    return (weight.dtype == torch.bfloat16 and out_features % BF16_TILE[0] == 0
+            and in_features % 32 == 0 and bf16_tiles_usable())
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (`[out, in]`, on the CPU) reordered once into oneDNN's blocked layout."""
+    """`weight` (`[out, in]`, on the CPU) packed once: kvgraph's bf16 tile layout where
+    `tile_packable`, else oneDNN's blocked layout."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(f"pack_weight: expected a 2-D CPU weight, got {tuple(weight.shape)} on "
                          f"{weight.device}")
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(),
-                                                   PACKING_BATCH_HINT)
+    weight = weight.detach().contiguous()
+    if tile_packable(weight):
+        out_features, in_features = weight.shape
+        return (weight.view(out_features // 16, 16, in_features // 2, 2)
+                .permute(0, 2, 1, 3).contiguous())
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
 
 
 class PackedLinear(nn.Module):
@@ -91,11 +146,14 @@ class PackedLinear(nn.Module):
             self.bias.requires_grad_(False)  # inference only: the op has no backward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if is_tile_packed(self.weight):
+            return torch.ops.kvgraph_cpu.bf16_linear(x, self.weight, self.bias)
         return torch.ops.kvgraph.packed_linear(x, self.weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
+        layout = "bf16 tiles" if is_tile_packed(self.weight) else "oneDNN"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed")
+                f"bias={self.bias is not None}, packed ({layout})")
 
 
 def _small_batch_linear_fake(x: torch.Tensor, weight: torch.Tensor,

@@ -37,10 +37,11 @@ from kvgraph.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-# The CPU platform's native kernels: paged attention, and the small-batch linear that
-# kvgraph.packed_linear routes fp32 linears through.
+# The CPU platform's native kernels: paged attention, and the linears kvgraph.packed_linear
+# routes fp32 (small batches) and tile-packed bf16 weights through.
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),
-           Path(__file__).with_name("small_batch_linear.cpp"))
+           Path(__file__).with_name("small_batch_linear.cpp"),
+           Path(__file__).with_name("bf16_linear.cpp"))
 HEADERS = (Path(__file__).with_name("attention_tiles.h"),)  # included by paged_attention.cpp
 LIBRARY_NAME = "kvgraph_cpu_attention"
 # OpenMP: at::parallel_for runs on torch's threads. On x86, GCC's tuning for recent Intel cores

@@ -135,14 +135,25 @@ inline void score_rows_partial(const float* q, const float* keys_t, int64_t kdim
   }
 }
 
+// The largest of s[0, n), n >= 1. GCC leaves `omp simd reduction(max)` over std::max scalar
+// (a chain of dependent maxss: an eighth of a decode step's attention), so AVX-512 by hand.
+inline float max_of(const float* s, int64_t n) {
+  int64_t k = 0;
+  float m = s[0];
+#ifdef __AVX512F__
+  __m512 v = _mm512_set1_ps(s[0]);
+  for (; k + 16 <= n; k += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(s + k));
+  m = _mm512_reduce_max_ps(v);
+#endif
+  for (; k < n; ++k) m = std::max(m, s[k]);
+  return m;
+}
+
 // Online softmax of one row over scores s[lo, hi): s becomes the weights e^(s - max), and the
 // row's running max, sum and accumulator acc[:vdim] are rescaled to the new max.
 inline void softmax_update(float* s, int64_t lo, int64_t hi, float& row_max, float& row_sum,
                            float* acc, int64_t vdim) {
-  float tile_max = s[lo];
-#pragma omp simd reduction(max : tile_max)
-  for (int64_t k = lo + 1; k < hi; ++k) tile_max = std::max(tile_max, s[k]);
-  const float new_max = std::max(row_max, tile_max);
+  const float new_max = std::max(row_max, max_of(s + lo, hi - lo));
   // At the first tile row_max is -inf: the correction is ~0 and multiplies zeros.
   const float correction = exp_nonpositive(row_max - new_max);
   row_max = new_max;

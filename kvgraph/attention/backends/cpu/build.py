@@ -1,7 +1,7 @@
-"""Builds the CPU kernels (attention, small-batch linear) on first use, into kvgraph's cache dir.
+"""Builds the CPU kernels (attention, linears) on first use, into kvgraph's cache dir.
 
-The C++ sources ship with the package (`paged_attention.cpp`, the header it includes, and
-`small_batch_linear.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`,
+The C++ sources ship with the package (`paged_attention.cpp`, the header it includes,
+`small_batch_linear.cpp` and `bf16_linear.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`,
 which needs a C++ compiler and ninja, as inductor needs a compiler) builds them once into
 `<cache dir>/cpu_attention/<key>`, where the key covers the sources, torch's version, the flags
 and the processor (the build is `-march=native`). A second process finds the library there and only loads it. The cache dir is

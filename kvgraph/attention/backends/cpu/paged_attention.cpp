@@ -69,6 +69,13 @@ Cache<T> cache_of(const at::Tensor& t) {
   return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(3)};
 }
 
+// Asks for the cache lines of n elements at p: a later gather finds them in cache.
+template <typename T>
+inline void prefetch_row(const T* p, int64_t n) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
+}
+
 template <typename T>
 inline void copy_to_float(const T* src, int64_t n, float* dst) {
 #pragma omp simd
@@ -121,6 +128,33 @@ struct Kernel {
     }
   }
 
+  // Prefetches what gather(r, h, lo, n, ...) reads, so the next tile's rows arrive while this
+  // one is computed (a decode step's cache comes from memory, each block from a new place).
+  void prefetch(int64_t r, int64_t h, int64_t lo, int64_t n) const {
+    const int64_t bs = batch.block_size;
+    const int32_t* table = batch.block_table + r * batch.block_table_stride;
+    for (int64_t k = lo; k < lo + n; ++k) {
+      const int64_t block = table[k / bs], slot = k % bs;
+      if (block < 0 || block >= batch.num_blocks) return;  // gather reports it
+      prefetch_row(k1.row(block, slot, h), k1.dim);
+      if (k2.dim) prefetch_row(k2.row(block, slot, h), k2.dim);
+      prefetch_row(v.row(block, slot, h), v.dim);
+    }
+  }
+
+  // The position of the item's first token and the keys it reads, [first_key, end_key).
+  struct Span {
+    int64_t first_pos, first_key, end_key;
+  };
+  Span span(const Work& work) const {
+    const int64_t r = work.request, seq_len = batch.seq_lens[r];
+    const int64_t query_len = batch.query_start_loc[r + 1] - batch.query_start_loc[r];
+    const int64_t first_pos = seq_len - query_len + work.first_token;
+    int64_t first_key = 0;
+    if (batch.window != NO_WINDOW) first_key = std::max<int64_t>(0, first_pos - batch.window + 1);
+    return {first_pos, first_key, std::min(seq_len, first_pos + work.num_tokens)};
+  }
+
   // R rows over the keys [see_lo, see_hi) of a tile of n (every gathered key is a real one).
   template <int R>
   void attend_rows(const float* q_rows, int64_t kdim, Scratch& s, int64_t n, int64_t see_lo,
@@ -171,14 +205,16 @@ struct Kernel {
     }
   }
 
-  void run(const Work& work, int64_t kv_head, Scratch& s) const {
+  // One work item; `next` (or null) is the item this thread runs after it, whose first tile
+  // is prefetched during this one's last.
+  void run(const Work& work, int64_t kv_head, Scratch& s, const Work* next,
+           int64_t next_head) const {
     const int64_t group = batch.num_heads / batch.num_kv_heads;
     const int64_t rows = work.num_tokens * group;
     const int64_t kdim = q1.dim + q2.dim, vdim = v.dim;
     const int64_t r = work.request;
     const int64_t seq_len = batch.seq_lens[r];
-    const int64_t query_len = batch.query_start_loc[r + 1] - batch.query_start_loc[r];
-    const int64_t first_pos = seq_len - query_len + work.first_token;  // of this item's token 0
+    const auto [first_pos, first_key, end_key] = span(work);  // first_pos: token 0's
     const int64_t token0 = batch.query_start_loc[r] + work.first_token;
 
     s.q.resize(rows * kdim);
@@ -191,9 +227,6 @@ struct Kernel {
     s.scores.resize(ROW_BLOCK * KEY_TILE);
     load_queries(work, kv_head, group, token0, s.q.data());
 
-    int64_t first_key = 0;
-    if (batch.window != NO_WINDOW) first_key = std::max<int64_t>(0, first_pos - batch.window + 1);
-    const int64_t end_key = std::min(seq_len, first_pos + work.num_tokens);
     TORCH_CHECK(end_key <= batch.block_table_columns * batch.block_size,
                 "kvgraph_cpu.paged_attention: request ", r, " has ", seq_len, " keys but its "
                 "block table row holds ", batch.block_table_columns, " blocks of ",
@@ -201,6 +234,13 @@ struct Kernel {
     for (int64_t lo = first_key; lo < end_key; lo += KEY_TILE) {
       const int64_t n = std::min(KEY_TILE, end_key - lo);
       gather(r, kv_head, lo, n, s.keys.data(), s.values.data());
+      if (lo + KEY_TILE < end_key) {
+        prefetch(r, kv_head, lo + KEY_TILE, std::min(KEY_TILE, end_key - lo - KEY_TILE));
+      } else if (next != nullptr) {
+        const Span after = span(*next);
+        prefetch(next->request, next_head, after.first_key,
+                 std::min(KEY_TILE, after.end_key - after.first_key));
+      }
       transpose_keys(s.keys.data(), n, kdim, s.keys_t.data());
       // Consecutive tokens that see the same keys of the tile (all of it, before the causal
       // diagonal) form one run of rows: token i's rows are [i * group, (i + 1) * group).
@@ -304,8 +344,10 @@ void paged_attention(const at::Tensor& query, const std::optional<at::Tensor>& q
                                  out.stride(0), out.stride(1)};
       at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
         Scratch scratch;  // one per thread's share: buffers reused across its items
+        const int64_t heads = batch.num_kv_heads;
         for (int64_t item = begin; item < end; ++item) {
-          kernel.run(work[item / batch.num_kv_heads], item % batch.num_kv_heads, scratch);
+          const Work* next = item + 1 < end ? &work[(item + 1) / heads] : nullptr;
+          kernel.run(work[item / heads], item % heads, scratch, next, (item + 1) % heads);
         }
       });
     };

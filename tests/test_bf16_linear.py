@@ -102,3 +102,12 @@ def test_a_bf16_model_packs_every_linear_into_tiles():
     packed = pack_linear_weights(model)
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert packed == len(linears) > 0 and all(is_tile_packed(m.weight) for m in linears)
+
+
+def test_the_benchmark_times_both_layouts(tmp_path):
+    from examples.benchmarks import bf16_linear
+    payload = bf16_linear.main(["--preset", "tiny", "--rows", "1", "20", "--rounds", "1",
+                                "--json", str(tmp_path / "bf16.json")])
+    assert [row["rows"] for row in payload["results"]] == [1, 20]
+    assert all(ms > 0 for row in payload["results"] for ms in row["ms"].values())
+    assert (tmp_path / "bf16.json").exists()

@@ -134,3 +134,12 @@ def test_inductor_compiles_around_it_for_any_row_count(fresh_compile_state):
         compiled = torch.compile(model, backend="inductor", dynamic=True)
         for x, expected in zip(inputs, want):
             torch.testing.assert_close(compiled(x), expected, **FP32)
+
+
+def test_the_benchmark_times_both_kernels(tmp_path):
+    from examples.benchmarks import small_batch_linear as benchmark
+    payload = benchmark.main(["--preset", "tiny", "--rows", "1", "20", "--rounds", "1",
+                              "--json", str(tmp_path / "sbl.json")])
+    assert [row["rows"] for row in payload["results"]] == [1, 20]
+    assert all(ms > 0 for row in payload["results"] for ms in row["ms"].values())
+    assert (tmp_path / "sbl.json").exists()

@@ -3,7 +3,8 @@
 // of a decode step.
 //
 // Why: torch's oneDNN linear on a packed weight costs ~35 us per call before any arithmetic
-// (a decode step of a small model makes dozens of calls), and a plain bf16 weight is repacked
+// (measured on a 16x16 weight; a decode step of a small model makes dozens of calls), oneDNN's
+// packed layout is opaque to anything else, and a plain bf16 weight is repacked
 // on every call. The packed layout here is an ordinary bf16 tensor, [N / 16, K / 2, 16, 2]:
 // element (b, p, j, t) is weight[16 b + j][2 p + t]. Sixteen outputs' pairs of
 // inputs are one 64-byte row, which is what both AVX512-BF16's dot product (vdpbf16ps: pairs
@@ -11,9 +12,10 @@
 // one copy of the weight serves decode and prefill. N must be a multiple of 16 and K of 32 (an
 // AMX tile's depth); Python packs only such weights.
 //
-// Decode (few rows): each pass streams four column blocks (64 outputs) once and applies them to
-// every input row, 64 pairs of inputs at a time, accumulating in AVX-512 registers.
-// Prefill (more rows): 32x32 output blocks in four AMX accumulator tiles.
+// Up to DOT_ROWS rows: AVX512-BF16 dot products; each pass streams four column blocks (64
+// outputs) once and applies them to every row, 64 pairs of inputs at a time, in registers.
+// Up to 16 rows: one AMX tile of rows against the same four column blocks, weights prefetched.
+// More rows (prefill): 32x32 output blocks in four AMX accumulator tiles.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,17 +24,16 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <optional>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define KVGRAPH_AMX 1
+#endif
+#if defined(__AVX512BF16__) || defined(KVGRAPH_AMX)
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -45,8 +46,7 @@ constexpr int64_t DOT_ROWS = 4;
 constexpr int64_t PASS_ROWS = 16;  // rows of one decode-path call (its accumulators' size)
 
 // out[m][0:columns] = bf16(c[m][0:columns] + bias) for m < rows (c rows ldc apart), rounded to
-// nearest even, 16 at a time where the processor converts (a scalar loop was a third of a
-// prefill's matmul time).
+// nearest even, 16 at a time where the processor converts.
 void store_rows(const float* c, int64_t ldc, int64_t rows, int64_t columns, const float* bias,
                 at::BFloat16* out, int64_t ldo) {
   for (int64_t m = 0; m < rows; ++m) {

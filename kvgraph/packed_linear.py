@@ -65,9 +65,14 @@ _library.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("kvgraph::packed_linear", _packed_linear_fake, lib=_library)
 
 
+# kvgraph's bf16 tile layout `[out / TILE_OUTPUTS, in / 2, TILE_OUTPUTS, 2]`: a weight takes it
+# when out is a multiple of TILE_OUTPUTS and in of TILE_DEPTH (an AMX tile's depth).
+TILE_OUTPUTS, TILE_DEPTH = 16, 32
+
+
 def _bf16_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
                       ) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], packed.shape[0] * BF16_TILE[0])
+    return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE_OUTPUTS)
 
 
 @functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
@@ -88,13 +93,9 @@ def bf16_tiles_usable() -> bool:
     return usable
 
 
-# A tile-packed weight's last two dims: 16 outputs, and a pair of inputs for each.
-BF16_TILE = (16, 2)
-
-
 def is_tile_packed(weight: torch.Tensor) -> bool:
     """Whether `weight` is in kvgraph's bf16 tile layout `[out / 16, in / 2, 16, 2]`."""
-    return (weight.dim() == 4 and tuple(weight.shape[2:]) == BF16_TILE
+    return (weight.dim() == 4 and tuple(weight.shape[2:]) == (TILE_OUTPUTS, 2)
             and weight.dtype == torch.bfloat16)
 
 
@@ -116,8 +117,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def tile_packable(weight: torch.Tensor) -> bool:
     """Whether `weight` can take the bf16 tile layout here (bf16, [16 n, 32 k], AMX)."""
     out_features, in_features = weight.shape
-    return (weight.dtype == torch.bfloat16 and out_features % BF16_TILE[0] == 0
-            and in_features % 32 == 0 and bf16_tiles_usable())
+    return (weight.dtype == torch.bfloat16 and out_features % TILE_OUTPUTS == 0
+            and in_features % TILE_DEPTH == 0 and bf16_tiles_usable())
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.detach().contiguous()
     if tile_packable(weight):
         out_features, in_features = weight.shape
-        return (weight.view(out_features // 16, 16, in_features // 2, 2)
+        return (weight.view(out_features // TILE_OUTPUTS, TILE_OUTPUTS, in_features // 2, 2)
                 .permute(0, 2, 1, 3).contiguous())
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
 

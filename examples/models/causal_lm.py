@@ -18,7 +18,7 @@ from kvgraph.distributed import TensorParallelGroup
 
 from .hf_layout import hf_tensors, merged_names
 from .layers import MLP, RMSNorm
-from .rope import DEFAULT_MAX_POSITION_EMBEDDINGS, RopeParameters
+from .rope import DEFAULT_MAX_POSITION_EMBEDDINGS, RopeParameters, RotaryEmbedding
 from .tensor_parallel import shard_model
 
 # Standard deviation of seeded random weights: small enough that activations stay sane.
@@ -116,9 +116,16 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        rotaries = [getattr(layer.self_attn, "rotary_emb", None) for layer in self.layers]
+        # Layers that all rotate alike get the step's angles computed once (see RopeAngles);
+        # otherwise each computes its own from the positions.
+        self.shares_rope_angles = all(isinstance(r, RotaryEmbedding) for r in rotaries) and all(
+            r.rotates_like(rotaries[0]) for r in rotaries)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.shares_rope_angles:
+            positions = self.layers[0].self_attn.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)

@@ -104,7 +104,9 @@ class DecoderModel(nn.Module):
     """The `model.` part of a HF causal LM: token embeddings, decoder layers, final norm.
 
     `make_attention(config, prefix)` builds each layer's `self_attn`; `prefix` is its module
-    path (`model.layers.3.self_attn`), from which kvgraph layer names are made.
+    path (`model.layers.3.self_attn`), from which kvgraph layer names are made. Each layer
+    gets the positions, or, where every `self_attn.rotary_emb` rotates alike, the step's
+    `RopeAngles` (computed once here), which a `RotaryEmbedding` takes in their place.
     """
 
     def __init__(self, config: DecoderConfig,
@@ -124,10 +126,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rotation = positions
         if self.shares_rope_angles:
-            positions = self.layers[0].self_attn.rotary_emb.cos_sin(positions)
+            rotation = self.layers[0].self_attn.rotary_emb.cos_sin(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(rotation, hidden)
         return self.norm(hidden)
 
 

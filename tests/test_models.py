@@ -13,6 +13,7 @@ from examples.models.deepseek_mla import PRESETS as MLA_PRESETS
 from examples.models.deepseek_mla import DeepseekMLA, DeepseekMLAAttention, DeepseekMLAConfig
 from examples.models.llama import PRESETS as LLAMA_PRESETS
 from examples.models.llama import Llama, LlamaConfig
+from examples.models.rope import RotaryEmbedding
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -377,3 +378,23 @@ def test_generate_demo_runs_and_graph_mode_generates_what_eager_does(capsys):
                              if line.startswith(("request ", "  text ", "  token ids "))]
         assert len(outputs["eager"]) == 3 * 3
         assert outputs["eager"] == outputs["full_and_piecewise"]
+
+
+@pytest.mark.parametrize("model_class", [Llama, DeepseekMLA])
+def test_the_rope_angles_are_computed_once_a_step_with_the_same_result(model_class, no_cache,
+                                                                     monkeypatch):
+    """Every layer rotates alike, so the model computes the step's angles once (not inside each
+    layer, where inductor would inline them into every head's rotation): same logits, bit for
+    bit, as each layer computing its own from the positions."""
+    no_cache()
+    model = model_class.from_preset("tiny")
+    assert model.model.shares_rope_angles
+    calls = []
+    original = RotaryEmbedding.cos_sin
+    monkeypatch.setattr(RotaryEmbedding, "cos_sin",
+                        lambda self, positions: calls.append(self) or original(self, positions))
+    shared = prompt_logits(model)
+    assert len(calls) == 1
+    model.model.shares_rope_angles = False
+    assert torch.equal(prompt_logits(model), shared)
+    assert len(calls) == 1 + model.config.num_hidden_layers

@@ -388,13 +388,13 @@ def test_the_rope_angles_are_computed_once_a_step_with_the_same_result(model_cla
     bit, as each layer computing its own from the positions."""
     no_cache()
     model = model_class.from_preset("tiny")
-    assert model.model.shares_rope_angles
+    assert model.model.shared_rotary() is model.model.layers[0].self_attn.rotary_emb
     calls = []
     original = RotaryEmbedding.cos_sin
     monkeypatch.setattr(RotaryEmbedding, "cos_sin",
                         lambda self, positions: calls.append(self) or original(self, positions))
     shared = prompt_logits(model)
     assert len(calls) == 1
-    model.model.shares_rope_angles = False
+    model.model.share_rope_angles = False
     assert torch.equal(prompt_logits(model), shared)
     assert len(calls) == 1 + model.config.num_hidden_layers

@@ -118,17 +118,23 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        rotaries = [getattr(layer.self_attn, "rotary_emb", None) for layer in self.layers]
-        # Layers that all rotate alike get the step's angles computed once (see RopeAngles);
-        # otherwise each computes its own from the positions.
-        self.shares_rope_angles = all(isinstance(r, RotaryEmbedding) for r in rotaries) and all(
-            r.rotates_like(rotaries[0]) for r in rotaries)
+        self.share_rope_angles = True  # False: each layer computes its own (tests compare)
+
+    def shared_rotary(self) -> RotaryEmbedding | None:
+        """The `RotaryEmbedding` every layer's `self_attn` has, if they all rotate alike (asked
+        on each call: a layer may have been wrapped or swapped since construction)."""
+        rotaries = [getattr(getattr(layer, "self_attn", None), "rotary_emb", None)
+                    for layer in self.layers]
+        first = rotaries[0] if rotaries else None
+        if self.share_rope_angles and isinstance(first, RotaryEmbedding) and all(
+                isinstance(r, RotaryEmbedding) and r.rotates_like(first) for r in rotaries):
+            return first
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        rotation = positions
-        if self.shares_rope_angles:
-            rotation = self.layers[0].self_attn.rotary_emb.cos_sin(positions)
+        rotary = self.shared_rotary()
+        rotation = positions if rotary is None else rotary.cos_sin(positions)
         for layer in self.layers:
             hidden = layer(rotation, hidden)
         return self.norm(hidden)

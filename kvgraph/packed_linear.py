@@ -75,18 +75,27 @@ def _bf16_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE_OUTPUTS)
 
 
-@functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
-def bf16_tiles_usable() -> bool:
-    """Whether bf16 weights pack into kvgraph's tile layout here: the CPU kernels build and the
-    processor has AMX (Linux grants its tiles). False, logged once, otherwise."""
+def _linear_kernel_loaded(op: str, fake, fallback: str) -> bool:
+    """Whether kvgraph's CPU kernels are loaded (built on first use), with `op`'s fake kernel
+    registered; False, logged with what runs instead (`fallback`), where they cannot be built."""
     from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
 
     try:
         load_kernels()
     except KernelBuildError as error:
-        logger.warning("kvgraph: bf16 linears run oneDNN's: %s", error)
+        logger.warning("kvgraph: %s: %s", fallback, error)
         return False
-    torch.library.register_fake("kvgraph_cpu::bf16_linear", _bf16_linear_fake)
+    torch.library.register_fake(f"kvgraph_cpu::{op}", fake)
+    return True
+
+
+@functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
+def bf16_tiles_usable() -> bool:
+    """Whether bf16 weights pack into kvgraph's tile layout here: the CPU kernels build and the
+    processor has AMX (Linux grants its tiles). False, logged once, otherwise."""
+    if not _linear_kernel_loaded("bf16_linear", _bf16_linear_fake,
+                                 "bf16 linears run oneDNN's"):
+        return False
     usable = torch.ops.kvgraph_cpu.bf16_linear_level() == 2
     logger.info("kvgraph: bf16 linears run %s", "kvgraph's AMX kernel" if usable
                 else "oneDNN's (this processor has no AMX)")
@@ -166,15 +175,8 @@ def _small_batch_linear_fake(x: torch.Tensor, weight: torch.Tensor,
 def small_batch_kernel_loaded() -> bool:
     """Whether `kvgraph_cpu::small_batch_linear` is loaded (the CPU kernels build on first use);
     False, logged once, where they cannot be built."""
-    from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
-
-    try:
-        load_kernels()
-    except KernelBuildError as error:
-        logger.warning("kvgraph: fp32 linears run F.linear: %s", error)
-        return False
-    torch.library.register_fake("kvgraph_cpu::small_batch_linear", _small_batch_linear_fake)
-    return True
+    return _linear_kernel_loaded("small_batch_linear", _small_batch_linear_fake,
+                                 "fp32 linears run F.linear")
 
 
 class SmallBatchLinear(nn.Module):

@@ -11,7 +11,10 @@ load:
   four rows). torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode
   step of dozens of small matmuls feels (README, "bf16 linears").
 - otherwise (fp16; bf16 without AMX): oneDNN's blocked layout, an opaque tensor
-  (`layout=torch._mkldnn`) run by `kvgraph::packed_linear` through mkldnn's linear.
+  (`layout=torch._mkldnn`) run by `kvgraph::packed_linear` through mkldnn's linear, where
+  oneDNN has kernels for the dtype on this processor (`can_pack(dtype)`; on x86 bf16 wants
+  AVX-512 or AVX-NE-CONVERT: an AVX2-only CPU such as AMD Zen 3 has neither). Elsewhere the
+  weights stay plain, said once in the log, and torch's matmul runs them.
 
 A packed weight stays a parameter, so a graph input: identical layers still compile once.
 (Inductor's `freezing` packs too, but makes each layer's weights constants of its own graph, so
@@ -141,7 +144,19 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
         return (weight.view(out_features // TILE_OUTPUTS, TILE_OUTPUTS, in_features // 2, 2)
                 .permute(0, 2, 1, 3).contiguous())
+    if not can_pack(weight.dtype):
+        raise ValueError(f"pack_weight: oneDNN cannot pack {_dtype_name(weight.dtype)} weights "
+                         f"on this processor ({_cpu_capability()}: {ONEDNN_NEEDS}); leave "
+                         f"them plain (torch's matmul runs them)")
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cpu_capability() -> str:
+    return f"torch's CPU capability: {torch.backends.cpu.get_cpu_capability()}"
 
 
 class PackedLinear(nn.Module):
@@ -197,9 +212,23 @@ class SmallBatchLinear(nn.Module):
                 f"bias={self.bias is not None}, small-batch kernel")
 
 
-def can_pack() -> bool:
-    """Whether this torch has oneDNN (every x86 and Arm CPU build of torch does)."""
-    return torch.backends.mkldnn.is_available()
+# oneDNN's checks of the processor for its reduced-precision kernels (packing and matmul); without
+# them `_reorder_linear_weight` raises, and torch's plain matmul serves the dtype.
+ONEDNN_NEEDS = ("x86 bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, fp16 AVX-512-FP16 or "
+                "AVX-NE-CONVERT")
+_ONEDNN_DTYPE_CHECKS = {
+    torch.bfloat16: lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    torch.float16: lambda: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+}
+
+
+def can_pack(dtype: torch.dtype | None = None) -> bool:
+    """Whether this torch has oneDNN (every x86 and Arm CPU build of torch does) and, given a
+    `dtype`, whether oneDNN packs weights of it on this processor."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    check = _ONEDNN_DTYPE_CHECKS.get(dtype)
+    return check is None or bool(check())
 
 
 def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES
@@ -216,7 +245,7 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK
     if not can_pack():
         logger.info("kvgraph: this torch has no oneDNN; linear weights stay unpacked")
         return 0
-    packed = 0
+    packed, unpackable = 0, {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             weight = getattr(child, "weight", None)
@@ -224,15 +253,25 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK
                     or weight.dtype not in dtypes or is_packed(weight)
                     or getattr(child, "keeps_plain_weight", False)):
                 continue
-            if getattr(child, "reads_packed_weight", False):
-                child.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
-            elif isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward:
-                setattr(parent, name, PackedLinear(child))
-            else:
+            reads_packed = getattr(child, "reads_packed_weight", False)
+            if not (reads_packed or isinstance(child, nn.Linear)
+                    and type(child).forward is nn.Linear.forward):
                 continue
+            if not (tile_packable(weight) or can_pack(weight.dtype)):
+                unpackable[weight.dtype] = unpackable.get(weight.dtype, 0) + 1
+                continue
+            if reads_packed:
+                child.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+            else:
+                setattr(parent, name, PackedLinear(child))
             packed += 1
-    logger.info("kvgraph: packed %d linear weights for oneDNN (%s)", packed,
-                ", ".join(str(d).removeprefix("torch.") for d in dtypes))
+    if unpackable:
+        logger.warning("kvgraph: oneDNN cannot pack %s weights on this processor (%s: %s); they "
+                       "stay plain, run by torch's matmul",
+                       ", ".join(f"{n} {_dtype_name(d)}" for d, n in unpackable.items()),
+                       _cpu_capability(), ONEDNN_NEEDS)
+    logger.info("kvgraph: packed %d linear weights (%s)", packed,
+                ", ".join(map(_dtype_name, dtypes)) or "no dtype")
     return packed
 
 

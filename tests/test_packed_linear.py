@@ -1,13 +1,17 @@
 """oneDNN-packed linear weights: the same results as plain weights, eager and in every graph
-kind, still one compile for identical layers, and the compile cache across processes' runners."""
+kind, still one compile for identical layers, the compile cache across processes' runners, and
+plain weights kept where the processor has no oneDNN kernels for the dtype."""
+
+import logging
 
 import pytest
 import torch
 from torch import nn
 
 import kvgraph
+from kvgraph import packed_linear
 from kvgraph.compilation.counters import compile_counters
-from kvgraph.packed_linear import (PackedLinear, SmallBatchLinear, is_packed, linear,
+from kvgraph.packed_linear import (PackedLinear, SmallBatchLinear, can_pack, is_packed, linear,
                                    pack_linear_weights, pack_weight)
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
@@ -18,12 +22,21 @@ pytestmark = [pytest.mark.usefixtures("fresh_compile_state"),
 BF16 = dict(atol=3e-2, rtol=3e-2)
 
 
+def onednn_packs(dtype: torch.dtype):
+    """Skips a test that packs `dtype` weights on a processor oneDNN has no kernels for."""
+    return pytest.mark.skipif(not can_pack(dtype), reason=f"oneDNN cannot pack {dtype} here")
+
+
+PACKS_BF16 = onednn_packs(torch.bfloat16)
+
+
 def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
     return [m.weight for m in model.modules()
             if isinstance(m, (nn.Linear, PackedLinear, SmallBatchLinear))]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32] + [
+    pytest.param(dtype, marks=onednn_packs(dtype)) for dtype in (torch.bfloat16, torch.float16)])
 def test_a_packed_linear_computes_the_plain_one(dtype):
     torch.manual_seed(0)
     plain = nn.Linear(48, 80, dtype=dtype)
@@ -38,6 +51,7 @@ def test_a_packed_linear_computes_the_plain_one(dtype):
         torch.testing.assert_close(linear(x, packed.weight, packed.bias), got, atol=0, rtol=0)
 
 
+@PACKS_BF16
 def test_only_the_asked_dtypes_and_plain_linears_are_packed():
     class OwnForward(nn.Linear):
         def forward(self, x):  # reads self.weight with F.linear: packing it would break it
@@ -90,6 +104,7 @@ def _bf16_model(kind: str, packed: bool, num_layers: int | None = None) -> nn.Mo
     return model
 
 
+@PACKS_BF16
 @pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
 @pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
 def test_packed_models_run_in_graphs_as_plain_ones_do(kind, mode):
@@ -106,6 +121,7 @@ def test_packed_models_run_in_graphs_as_plain_ones_do(kind, mode):
     assert any(key.startswith(mode.split("_")[0]) for key in runner.stats()["hits"])
 
 
+@PACKS_BF16
 @pytest.mark.slow  # inductor
 def test_identical_layers_still_compile_once_and_the_cache_loads(compile_cache_dir):
     runs = []
@@ -127,7 +143,8 @@ def test_identical_layers_still_compile_once_and_the_cache_loads(compile_cache_d
 
 
 @pytest.mark.parametrize("flags, dtype, packed", [
-    ([], "bfloat16", True), (["--no-pack-weights"], "bfloat16", False), ([], "float32", False),
+    ([], "bfloat16", can_pack(torch.bfloat16)), (["--no-pack-weights"], "bfloat16", False),
+    ([], "float32", False),
     (["--no-pack-weights"], "float32", False)])
 def test_the_engine_packs_half_precision_weights_on_the_cpu_unless_told_not_to(flags, dtype,
                                                                                packed):
@@ -148,3 +165,36 @@ def test_the_engine_packs_half_precision_weights_on_the_cpu_unless_told_not_to(f
         assert bool(small) == (dtype == "float32" and "--no-pack-weights" not in flags)
     finally:
         engine.runner.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_can_pack_says_what_onednn_does_on_this_processor(dtype):
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.randn(32, 64, dtype=dtype), 16)
+    except RuntimeError:
+        packs = False
+    else:
+        packs = True
+    assert can_pack(dtype) == packs
+
+
+def test_a_dtype_onednn_cannot_pack_stays_plain_and_says_so_once(monkeypatch, caplog):
+    """As on an AVX2-only processor (AMD Zen 3): bf16 weights are left plain, the model's
+    outputs unchanged, one warning naming how many; asked directly, pack_weight refuses."""
+    monkeypatch.setitem(packed_linear._ONEDNN_DTYPE_CHECKS, torch.bfloat16, lambda: False)
+    monkeypatch.setattr(packed_linear, "tile_packable", lambda weight: False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48, dtype=torch.bfloat16),
+                          nn.Linear(48, 16, dtype=torch.bfloat16), nn.Linear(16, 8))
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model[1](model[0](x))
+        with caplog.at_level(logging.INFO, logger="kvgraph"):
+            assert pack_linear_weights(model, dtypes=(torch.bfloat16, torch.float32)) == 1
+        assert not any(is_packed(m.weight) for m in model[:2]) and is_packed(model[2].weight)
+        torch.testing.assert_close(model[1](model[0](x)), want, atol=0, rtol=0)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "oneDNN cannot pack 2 bfloat16 weights on this processor" in warning
+    assert "torch's CPU capability" in warning and "AVX-512" in warning
+    with pytest.raises(ValueError, match=r"oneDNN cannot pack bfloat16 weights on this processor"):
+        pack_weight(model[0].weight)

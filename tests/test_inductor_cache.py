@@ -177,6 +177,31 @@ def test_a_full_dir_sends_inductor_to_fresh_private_dirs_with_one_warning(tmpfs,
     assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
 
 
+def test_a_compiler_that_ran_out_of_room_is_named_by_the_line_that_says_so(tmp_path, caplog):
+    """A C++ compile error puts the full disk below its first line (the compiler's output), and
+    may come wrapped in another error: the warning quotes the line that says it."""
+    cache = CompileCache.open(tmp_path, KEY)
+    calls = []
+
+    def compile_kernel():
+        calls.append(1)
+        if len(calls) == 1:
+            try:
+                raise RuntimeError("C++ compile error\n\nCommand:\ng++ kernel.cpp -o kernel.so\n\n"
+                                   "Output:\n/usr/bin/ld: final link failed: No space left on "
+                                   "device\ncollect2: error: ld returned 1 exit status")
+            except RuntimeError as compiler:
+                raise ValueError("backend compiler failed") from compiler
+        return "built"
+
+    with caplog.at_level(logging.WARNING), cache.inductor_dir():
+        assert cache.inductor.run(compile_kernel) == "built"
+    [message] = [r.getMessage() for r in caplog.records]
+    assert ("is full (RuntimeError: /usr/bin/ld: final link failed: No space left on device)"
+            in message), message
+    assert len(calls) == 2 and not cache.writable
+
+
 # --- real inductor, real starts (slow) ---------------------------------------------------------
 
 

@@ -122,7 +122,8 @@ class InductorCache:
         """Compile in fresh dirs for the rest of this compile: this one has no room."""
         self.in_use, self.full = False, True
         self.stop_saving(f"the compile cache's inductor dir {self.directory} is full "
-                         f"({describe(error)}), so inductor compiles in private temporary dirs")
+                         f"({full_disk_line(error)}), so inductor compiles in private temporary "
+                         "dirs")
 
     def _clear(self, error: BaseException) -> None:
         """Remove everything in this dir: `error` showed that something in it is damaged."""
@@ -160,15 +161,23 @@ def _probe(attempt: Callable[[], T]) -> tuple[bool, T | None]:
 def is_full(error: BaseException) -> bool:
     """Whether `error`, or one it came from, says a disk is full (its errno, or the message a
     compiler or linker printed)."""
+    return full_disk_line(error) is not None
+
+
+def full_disk_line(error: BaseException) -> str | None:
+    """The line of `error`, or of one it came from, that says a disk is full, with that error's
+    type; None if none does. A compiler's error puts it below its first line."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in FULL_ERRNOS:
-            return True
-        if any(os.strerror(code) in str(error) for code in FULL_ERRNOS):
-            return True
+            return describe(error)
+        reasons = tuple(os.strerror(code) for code in FULL_ERRNOS)
+        for line in str(error).splitlines():
+            if any(reason in line for reason in reasons):
+                return f"{type(error).__name__}: {line.strip()}"
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 def describe(error: BaseException) -> str:

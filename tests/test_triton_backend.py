@@ -286,11 +286,11 @@ def test_asking_for_triton_on_the_cpu_without_the_interpreter_is_a_clear_error(m
 @pytest.mark.parametrize("kind, mode", [
     ("llama", "eager"), ("llama", "piecewise"), ("llama", "full"),
     ("deepseek_mla", "full_and_piecewise"),
-    # Every other mode too; slow only because the interpreter runs each capture's kernels.
+    # The other modes that add a path (full_decode_only and MLA's piecewise are parts of
+    # full_and_piecewise); slow only because the interpreter runs each capture's kernels.
     *[pytest.param("llama", mode, marks=pytest.mark.slow)
-      for mode in ("none", "full_decode_only", "full_and_piecewise")],
-    *[pytest.param("deepseek_mla", mode, marks=pytest.mark.slow)
-      for mode in ("piecewise", "full")],
+      for mode in ("none", "full_and_piecewise")],
+    pytest.param("deepseek_mla", "full", marks=pytest.mark.slow),
 ])
 def test_the_runner_with_triton_generates_what_torch_native_does(kind, mode):
     assert_backend_generates_like_torch_native(kind, mode, "triton", PLAN, DEVICE)

@@ -27,7 +27,9 @@ A module whose weight may be packed calls `linear(x, weight, bias)` instead of `
 fp32 weights stay plain (MKL's sgemm reads them as they are), but an fp32 `nn.Linear` becomes a
 `SmallBatchLinear`: batches of up to 16 rows, a decode step's, run
 `kvgraph_cpu::small_batch_linear` (small_batch_linear.cpp among the CPU kernels), which reads
-the weight once per call where MKL copies it first; larger ones run `F.linear` as before.
+the weight once per call where MKL copies it first; larger ones run `F.linear` as before. So
+do bf16 linears that oneDNN cannot pack, their larger batches widened to fp32 for MKL (torch's
+own bf16 matmul is ~8x slower there).
 """
 
 from __future__ import annotations
@@ -44,8 +46,6 @@ logger = logging.getLogger(__name__)
 # The dtypes packed by default: those whose plain matmul repacks the weight on every call.
 # fp32 matmuls go to MKL's sgemm, which reads the plain weight as it is (see the README).
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
-# The dtype whose linears run the small-batch kernel (its only one).
-SMALL_BATCH_DTYPE = torch.float32
 # Rows oneDNN is told to expect when it chooses the packed layout: decode batches are small,
 # and a layout chosen for them also serves prefill (measured: README, "Packed weights").
 PACKING_BATCH_HINT = 16
@@ -195,8 +195,9 @@ def small_batch_kernel_loaded() -> bool:
 
 
 class SmallBatchLinear(nn.Module):
-    """An fp32 CPU `nn.Linear` (same weight, same layout) whose batches of up to 16 rows run
-    kvgraph's small-batch kernel: the module `use_small_batch_linear` puts in its place."""
+    """A CPU `nn.Linear` (fp32, or bf16 where oneDNN has no bf16 kernels; same weight, same
+    layout) whose batches of up to 16 rows run kvgraph's small-batch kernel (more rows: MKL,
+    bf16 widened to fp32): the module `use_small_batch_linear` puts in its place."""
 
     def __init__(self, source: nn.Linear):
         super().__init__()
@@ -275,19 +276,28 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK
     return packed
 
 
+def small_batch_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes whose plain linears run the small-batch kernel: fp32, and bf16 where oneDNN
+    cannot pack it (then torch's own bf16 matmul would run them, far slower)."""
+    return (torch.float32,) + (() if can_pack(torch.bfloat16) else (torch.bfloat16,))
+
+
 def use_small_batch_linear(model: nn.Module) -> int:
-    """Make every fp32 CPU `nn.Linear` of `model` (or a subclass keeping its forward) a
-    `SmallBatchLinear`, in place; returns how many. Weights are not touched, so this may come
-    before or after loading them. None where the CPU kernels cannot be built (logged)."""
+    """Make every CPU `nn.Linear` of `model` (or a subclass keeping its forward) whose weight is
+    plain and of a `small_batch_dtypes()` dtype a `SmallBatchLinear`, in place; returns how
+    many. Weights are not touched, so this may come before or after loading them (and after
+    `pack_linear_weights`, which leaves these plain). None where the CPU kernels cannot be
+    built (logged)."""
+    dtypes = small_batch_dtypes()
     linears = [(parent, name, child) for parent in list(model.modules())
                for name, child in list(parent.named_children())
                if isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward
-               and child.weight.device.type == "cpu" and child.weight.dtype == SMALL_BATCH_DTYPE
+               and child.weight.device.type == "cpu" and child.weight.dtype in dtypes
                and not getattr(child, "keeps_plain_weight", False)]
     if not linears or not small_batch_kernel_loaded():
         return 0
     for parent, name, child in linears:
         setattr(parent, name, SmallBatchLinear(child))
-    logger.info("kvgraph: %d fp32 linears run the small-batch kernel at up to 16 rows",
-                len(linears))
+    logger.info("kvgraph: %d linears (%s) run the small-batch kernel at up to 16 rows",
+                len(linears), ", ".join(sorted({_dtype_name(c.weight.dtype) for *_, c in linears})))
     return len(linears)

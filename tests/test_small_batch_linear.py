@@ -1,14 +1,16 @@
-"""The small-batch fp32 linear (`kvgraph_cpu::small_batch_linear`, SmallBatchLinear): the
-float64 product for every row count, ragged shapes and strided inputs; each row the same
-bits whatever batch it came in; F.linear past 16 rows; and models whose fp32 linears run it
-generating what plain ones do, in graphs, with eager and inductor pieces."""
+"""The small-batch linear (`kvgraph_cpu::small_batch_linear`, SmallBatchLinear), fp32 and bf16:
+the float64 product for every row count, ragged shapes and strided inputs; each row the same
+bits whatever batch it came in; F.linear past 16 rows (bf16 widened to fp32); which linears
+take it (bf16 only where oneDNN cannot pack it); and models whose linears run it generating
+what plain ones do, in graphs, with eager and inductor pieces."""
 
 import pytest
 import torch
 from torch import nn
 
 import kvgraph
-from kvgraph.packed_linear import (SmallBatchLinear, small_batch_kernel_loaded,
+from kvgraph import packed_linear
+from kvgraph.packed_linear import (SmallBatchLinear, small_batch_dtypes, small_batch_kernel_loaded,
                                    use_small_batch_linear)
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
@@ -24,16 +26,28 @@ def small_batch_linear(x, weight, bias=None):
     return torch.ops.kvgraph_cpu.small_batch_linear(x, weight, bias)
 
 
+def assert_float64_product(got, x, weight, bias):
+    want = nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, **FP32)
+    else:  # bf16 products are exact in fp32; the sums' order and the output's rounding are not
+        scale = want.abs().amax().item()
+        torch.testing.assert_close(got.double(), want, atol=scale * 2**-7, rtol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("out_features, in_features", [(1, 1), (3, 17), (130, 512), (7, 1408)])
 def test_the_float64_product_for_every_row_count_and_ragged_shape(rows, out_features,
-                                                                  in_features):
+                                                                  in_features, dtype):
     torch.manual_seed(rows)
-    x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
-    bias = torch.randn(out_features)
+    x = torch.randn(rows, in_features, dtype=dtype)
+    weight = torch.randn(out_features, in_features, dtype=dtype)
+    bias = torch.randn(out_features, dtype=dtype)
     for b in (None, bias):
-        want = nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
-        torch.testing.assert_close(small_batch_linear(x, weight, b).double(), want, **FP32)
+        got = small_batch_linear(x, weight, b)
+        assert got.dtype == dtype
+        assert_float64_product(got, x, weight, b)
 
 
 def test_strided_rows_and_leading_dims_are_read_as_they_are():
@@ -50,11 +64,12 @@ def test_strided_rows_and_leading_dims_are_read_as_they_are():
     torch.testing.assert_close(got, nn.functional.linear(x, weight, bias), **FP32)
 
 
-def test_a_row_has_the_same_bits_in_any_batch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_has_the_same_bits_in_any_batch(dtype):
     """Each output is one dot product summed in one order, whatever else is in the batch: a
     request's tokens do not depend on its neighbours in a decode step."""
     torch.manual_seed(0)
-    x, weight = torch.randn(16, 512), torch.randn(96, 512)
+    x, weight = torch.randn(16, 512, dtype=dtype), torch.randn(96, 512, dtype=dtype)
     batch = small_batch_linear(x, weight)
     for i in range(16):
         assert torch.equal(small_batch_linear(x[i:i + 1], weight), batch[i:i + 1])
@@ -62,14 +77,22 @@ def test_a_row_has_the_same_bits_in_any_batch():
 
 
 def test_other_dtypes_and_shapes_that_disagree():
-    weight = torch.randn(8, 16, dtype=torch.bfloat16)
-    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    weight = torch.randn(8, 16, dtype=torch.float16)
+    x = torch.randn(2, 16, dtype=torch.float16)
     assert torch.equal(small_batch_linear(x, weight), nn.functional.linear(x, weight))
     with pytest.raises(RuntimeError, match=r"x \[..., in\] and weight \[out, in\] disagree"):
         small_batch_linear(torch.randn(2, 15), torch.randn(8, 16))
 
 
-def test_only_fp32_plain_linears_change_and_their_weights_stay_the_same_tensors():
+@pytest.mark.parametrize("bf16_packs", [True, False])
+def test_only_plain_fp32_and_unpackable_bf16_linears_change_their_weights_the_same_tensors(
+        bf16_packs, monkeypatch):
+    """bf16 linears take the kernel only where oneDNN cannot pack bf16 (an AVX2-only CPU):
+    elsewhere they are packed for oneDNN or AMX instead."""
+    monkeypatch.setitem(packed_linear._ONEDNN_DTYPE_CHECKS, torch.bfloat16, lambda: bf16_packs)
+    assert small_batch_dtypes() == ((torch.float32,) if bf16_packs
+                                    else (torch.float32, torch.bfloat16))
+
     class OwnForward(nn.Linear):
         def forward(self, x):
             return super().forward(x) * 2
@@ -77,16 +100,21 @@ def test_only_fp32_plain_linears_change_and_their_weights_stay_the_same_tensors(
     keeps = nn.Linear(4, 6)
     keeps.keeps_plain_weight = True
     model = nn.ModuleDict({"fp32": nn.Linear(4, 6), "bf16": nn.Linear(4, 6, dtype=torch.bfloat16),
+                           "fp16": nn.Linear(4, 6, dtype=torch.float16),
                            "own": OwnForward(4, 6), "keeps": keeps})
-    weight = model["fp32"].weight
+    weights = {name: model[name].weight for name in ("fp32", "bf16")}
     x = torch.randn(3, 4)
     with torch.no_grad():
-        want = model["fp32"](x)
-        assert use_small_batch_linear(model) == 1
-        assert isinstance(model["fp32"], SmallBatchLinear) and model["fp32"].weight is weight
-        assert type(model["bf16"]) is nn.Linear and type(model["own"]) is OwnForward
-        assert type(model["keeps"]) is nn.Linear
-        torch.testing.assert_close(model["fp32"](x), want, **FP32)
+        want = {name: model[name](x.to(weights[name].dtype)) for name in weights}
+        assert use_small_batch_linear(model) == (1 if bf16_packs else 2)
+        assert isinstance(model["fp32"], SmallBatchLinear)
+        assert isinstance(model["bf16"], SmallBatchLinear) != bf16_packs
+        assert all(model[name].weight is weight for name, weight in weights.items())
+        assert type(model["own"]) is OwnForward and type(model["keeps"]) is nn.Linear
+        assert type(model["fp16"]) is nn.Linear
+        torch.testing.assert_close(model["fp32"](x), want["fp32"], **FP32)
+        torch.testing.assert_close(model["bf16"](x.bfloat16()), want["bf16"], atol=2e-2,
+                                   rtol=2e-2)
     assert use_small_batch_linear(model) == 0  # nothing left to change
 
 
@@ -119,6 +147,21 @@ def test_models_run_in_graphs_as_plain_ones_do(kind, mode):
     runner = _runner(_model(kind, small_batch=True), mode)
     assert runner.capture()["graphs"] > 0
     _assert_generates_like(runner, _runner(_model(kind, small_batch=False), "eager"))
+
+
+def test_a_bf16_model_whose_linears_run_it_generates_what_the_plain_one_does(monkeypatch):
+    monkeypatch.setitem(packed_linear._ONEDNN_DTYPE_CHECKS, torch.bfloat16, lambda: False)
+    plain = _runner(make_model("llama").to(torch.bfloat16), "eager")
+    model = make_model("llama").to(torch.bfloat16)
+    assert use_small_batch_linear(model) > 0
+    runner = _runner(model, "full_and_piecewise")
+    assert runner.capture()["graphs"] > 0
+    want_logits, want_tokens = generate(plain, plain.vocab_size)
+    logits, tokens = generate(runner, runner.vocab_size)
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2,
+                                   msg=f"step {step}")
 
 
 @pytest.mark.slow  # inductor

@@ -1,13 +1,16 @@
-"""The small-batch fp32 linear against F.linear (MKL's sgemm): one pass over a model's weights.
+"""The small-batch linear against F.linear: one pass over a model's weights.
 
-Every linear weight of a Llama preset (fp32; the small one's are ~110 MiB, more than the
-caches hold, so each pass reads them from memory, as a decode step does), multiplied by `rows`
-input rows, first with `F.linear`
-and then with `kvgraph_cpu::small_batch_linear`, in alternating order per round; one compute
-thread. Prints the median ms per pass and the ratio, writes JSON. Past 16 rows the kernel hands
-the batch to F.linear, so those rows show its cost of asking (none to speak of).
+Every linear weight of a Llama preset (fp32: the small one's are ~94 MiB, more than the caches
+hold, so each pass reads them from memory, as a decode step does), multiplied by `rows` input
+rows, first with `F.linear` and then with `kvgraph_cpu::small_batch_linear`, in alternating
+order per round; one compute thread. Prints the median ms per pass and the ratio, writes JSON.
+Past 16 rows the kernel hands the batch to F.linear (MKL's sgemm), so in fp32 those rows show
+its cost of asking. `--dtype bfloat16` times plain bf16 weights, which the kernel takes where
+oneDNN cannot pack bf16: F.linear is then torch's own bf16 matmul, and past 16 rows the kernel
+widens to fp32 for MKL.
 
-    python -m examples.benchmarks.small_batch_linear [--preset small] [--rows 1 4 8 16 32]
+    python -m examples.benchmarks.small_batch_linear [--preset small] [--rows 1 4 8 16 32] \
+        [--dtype float32]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--json", default="small_batch_linear.json")
     return parser.parse_args(argv)
 
@@ -52,7 +56,7 @@ def pass_ms(matmul: Callable, inputs: dict[int, torch.Tensor], weights: list[tor
 
 
 def measure(rows: int, weights: list[torch.Tensor], rounds: int) -> dict[str, Any]:
-    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+    inputs = {k: torch.randn(rows, k, dtype=weights[0].dtype) for k in {w.shape[1] for w in weights}}
     matmuls = {"F.linear": nn.functional.linear,
                "small_batch": lambda x, w: torch.ops.kvgraph_cpu.small_batch_linear(x, w, None)}
     samples: dict[str, list[float]] = {kind: [] for kind in KINDS}
@@ -70,9 +74,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not small_batch_kernel_loaded():
         raise SystemExit("kvgraph's CPU kernels cannot be built here (see the log)")
     torch.set_num_threads(args.threads)
-    weights = model_weights(args.preset)
+    weights = [w.to(getattr(torch, args.dtype)) for w in model_weights(args.preset)]
     mib = sum(w.numel() * w.element_size() for w in weights) / 2**20
-    print(f"{args.preset} Llama's {len(weights)} linear weights ({mib:.0f} MiB fp32), "
+    print(f"{args.preset} Llama's {len(weights)} linear weights ({mib:.0f} MiB {args.dtype}), "
           f"{args.threads} thread(s), {args.rounds} interleaved rounds; median ms per pass")
     print(f"{'rows':>5}{'F.linear':>11}{'small_batch':>13}{'ratio':>8}")
     payload = {"machine": machine(torch.device("cpu")), "args": vars(args), "weights_mib": mib,

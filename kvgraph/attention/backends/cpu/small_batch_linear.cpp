@@ -1,5 +1,6 @@
-// A linear layer for the few rows of a decode step: fp32, the weight in its plain [out, in]
-// layout, read from memory once per call whatever the number of rows.
+// A linear layer for the few rows of a decode step: fp32 or bf16 (widened to fp32 as it is
+// loaded), the weight in its plain [out, in] layout, read from memory once per call whatever
+// the number of rows.
 //
 // Why: MKL's sgemm copies (packs) the whole weight before multiplying once a batch has more
 // than a row or two, so at 4-16 rows a decode step's matmuls read their weights twice and
@@ -8,8 +9,10 @@
 // AVX-512's 32 vector registers, two with AVX2's 16), keeps their dot products in registers,
 // and prefetches the next four weight rows while it works, so the weights stream from memory
 // once and the inputs stay in L1. Batches of more than MAX_ROWS rows (prefill) are
-// compute-bound: at::linear (MKL) runs them. Without AVX2 and FMA at build time every call
-// goes to at::linear.
+// compute-bound: at::linear (MKL) runs them, bf16 ones in fp32 (the op takes bf16 only where
+// oneDNN has no bf16 kernels, and there torch's own bf16 matmul is ~8x slower than widening
+// the weight and running MKL's sgemm: measured on an AVX2 AMD Zen 3). Without AVX2 and FMA
+// at build time every call goes to at::linear that way.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,9 +36,9 @@ constexpr int64_t MAX_ROWS = 16;
 #ifdef KVGRAPH_SMALL_BATCH
 constexpr int64_t WEIGHT_ROWS = 4;  // outputs per pass
 
-// The widest vector of floats this build has: loads (the last ones partial), fused
-// multiply-adds, and a sum of the lanes (the same order for every row, so a row's outputs have
-// the same bits alone and in a batch).
+// The widest vector of floats this build has: loads (the last ones partial) and stores, bf16
+// widened, fused multiply-adds, and a sum of the lanes (the same order for every row, so a
+// row's outputs have the same bits alone and in a batch).
 #ifdef __AVX512F__
 struct Lanes {
   using V = __m512;
@@ -46,6 +49,11 @@ struct Lanes {
     return _mm512_maskz_loadu_ps(left >= WIDTH ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1),
                                  p);
   }
+  static V widen(const at::BFloat16* p) {  // WIDTH of them
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
 };
@@ -60,6 +68,11 @@ struct Lanes {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(int(left)), lanes));
   }
+  static V widen(const at::BFloat16* p) {  // WIDTH of them
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(V v) {
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -69,6 +82,23 @@ struct Lanes {
 };
 #endif
 constexpr int64_t INPUT_ROWS = Lanes::INPUT_ROWS;  // inputs per tile
+
+// The first `left` of p's bf16 widened (WIDTH where there are as many; zeros after the rest).
+Lanes::V load(const at::BFloat16* p, int64_t left) {
+  if (left >= Lanes::WIDTH) return Lanes::widen(p);
+  at::BFloat16 rest[Lanes::WIDTH] = {};
+  std::copy(p, p + left, rest);
+  return Lanes::widen(rest);
+}
+
+Lanes::V load(const float* p, int64_t left) { return Lanes::load(p, left); }
+
+// dst[0:n] = src[0:n] as floats (exactly: a bf16 is a float's upper half).
+void widen(const at::BFloat16* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + Lanes::WIDTH <= n; i += Lanes::WIDTH) Lanes::store(dst + i, Lanes::widen(src + i));
+  for (; i < n; ++i) dst[i] = float(src[i]);
+}
 
 // One input row's four dot products. Named members, not an array: GCC keeps an array of
 // vectors in memory and stores every accumulator after every FMA.
@@ -82,10 +112,12 @@ struct RowSums {
     s3 = Lanes::fma(x, w3, s3);
   }
 
-  // Output j of this row (+ bias), for j < columns.
-  void store(float* out, int64_t columns, const float* bias) const {
+  // Output j of this row (+ bias), for j < columns (a bf16 output rounded to nearest even).
+  template <typename Out>
+  void store(Out* out, int64_t columns, const float* bias) const {
     const float sums[4] = {Lanes::sum(s0), Lanes::sum(s1), Lanes::sum(s2), Lanes::sum(s3)};
-    for (int64_t j = 0; j < columns; ++j) out[j] = sums[j] + (bias != nullptr ? bias[j] : 0.f);
+    for (int64_t j = 0; j < columns; ++j)
+      out[j] = Out(sums[j] + (bias != nullptr ? bias[j] : 0.f));
   }
 };
 
@@ -96,13 +128,13 @@ struct RowSums {
 // Meanwhile it fetches into cache the rows of `next` (the next pass's weights, or null)
 // numbered `first`, `first + stride`, ...: each tile of a pass fetches its share, so the
 // weights stream from memory all through the pass, not only while its first tile runs.
-template <int R>
-void dot_tile(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t columns,
-              int64_t K, const float* bias, float* out, int64_t ldo, const float* next,
-              int64_t first, int64_t stride) {
+template <int R, typename W, typename Out>
+void dot_tile(const float* x, int64_t ldx, int64_t rows, const W* w, int64_t columns, int64_t K,
+              const float* bias, Out* out, int64_t ldo, const W* next, int64_t first,
+              int64_t stride) {
   static_assert(R >= 1 && R <= 4, "a tile has one to four input rows");
   const float* xr[4];
-  const float* wr[4];
+  const W* wr[4];
   for (int64_t i = 0; i < 4; ++i) {
     xr[i] = x + std::min(i, rows - 1) * ldx;
     wr[i] = w + std::min(i, columns - 1) * K;
@@ -110,9 +142,9 @@ void dot_tile(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t
   RowSums r0, r1, r2, r3;
   for (int64_t k = 0; k < K; k += Lanes::WIDTH) {
     const int64_t left = K - k;
-    const Lanes::V w0 = Lanes::load(wr[0] + k, left), w1 = Lanes::load(wr[1] + k, left),
-                   w2 = Lanes::load(wr[2] + k, left), w3 = Lanes::load(wr[3] + k, left);
-    if (next != nullptr && k % 16 == 0)  // one prefetch per 64-byte line
+    const Lanes::V w0 = load(wr[0] + k, left), w1 = load(wr[1] + k, left),
+                   w2 = load(wr[2] + k, left), w3 = load(wr[3] + k, left);
+    if (next != nullptr && k * int64_t(sizeof(W)) % 64 == 0)  // one prefetch per 64-byte line
       for (int64_t j = first; j < WEIGHT_ROWS; j += stride)
         _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
     r0.add(Lanes::load(xr[0] + k, left), w0, w1, w2, w3);
@@ -129,8 +161,9 @@ void dot_tile(const float* x, int64_t ldx, int64_t rows, const float* w, int64_t
 
 // Every input row against up to four weight rows, INPUT_ROWS at a time (the later tiles read
 // the same weight rows, by then in L1).
-void weight_rows(const float* x, int64_t ldx, int64_t M, const float* w, int64_t columns,
-                 int64_t K, const float* bias, float* out, int64_t ldo, const float* next) {
+template <typename W, typename Out>
+void weight_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t columns, int64_t K,
+                 const float* bias, Out* out, int64_t ldo, const W* next) {
   if (M == 1) {  // a fraction of a full tile's FMAs
     dot_tile<1>(x, ldx, 1, w, columns, K, bias, out, ldo, next, 0, 1);
     return;
@@ -157,18 +190,54 @@ void small_batch_matmul(const float* x, int64_t ldx, int64_t M, const float* w, 
     }
   });
 }
+
+// The same in bf16, the weights streaming from memory at half the bytes: the input rows
+// widened to floats once; with more than one row, each pass's four weight rows too, into an L1
+// buffer the tiles read as in fp32 (widening them in every tile would cost more than the FMAs).
+void small_batch_matmul(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w,
+                        int64_t N, int64_t K, const float* bias, at::BFloat16* out) {
+  std::vector<float> xf(M * K);
+  for (int64_t m = 0; m < M; ++m) widen(x + m * ldx, K, xf.data() + m * K);
+  const int64_t passes = (N + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
+  at::parallel_for(0, passes, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(M > 1 ? WEIGHT_ROWS * K : 0);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n = p * WEIGHT_ROWS, rows = std::min(WEIGHT_ROWS, N - n);
+      const float* b = bias != nullptr ? bias + n : nullptr;
+      const at::BFloat16* next = p + 1 < end && n + 2 * WEIGHT_ROWS <= N
+                                     ? w + (n + WEIGHT_ROWS) * K : nullptr;
+      if (M == 1) {
+        weight_rows(xf.data(), K, M, w + n * K, rows, K, b, out + n, N, next);
+        continue;
+      }
+      widen(w + n * K, rows * K, wf.data());
+      weight_rows(xf.data(), K, M, wf.data(), rows, K, b, out + n, N,
+                  static_cast<const float*>(nullptr));
+    }
+  });
+}
 #endif
 
-bool runs_here(const at::Tensor& x2d, const at::Tensor& weight,
-               const std::optional<at::Tensor>& bias) {
+bool runs_here(const at::Tensor& x2d, const at::Tensor& weight) {
 #ifdef KVGRAPH_SMALL_BATCH
-  return x2d.size(0) <= MAX_ROWS && x2d.scalar_type() == at::kFloat &&
-         weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
-         x2d.stride(1) == 1 && !x2d.is_mkldnn() && !weight.is_mkldnn() &&
-         (!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous()));
+  const auto dtype = weight.scalar_type();
+  return x2d.size(0) <= MAX_ROWS && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+         x2d.scalar_type() == dtype && weight.is_contiguous() && x2d.stride(1) == 1 &&
+         !x2d.is_mkldnn() && !weight.is_mkldnn();
 #else
   return false;
 #endif
+}
+
+// at::linear, bf16 in fp32 (see the top of the file).
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  if (x.scalar_type() != at::kBFloat16 || weight.scalar_type() != at::kBFloat16 ||
+      weight.is_mkldnn())
+    return at::linear(x, weight, bias);
+  const std::optional<at::Tensor> bias32 =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(at::kFloat)) : std::nullopt;
+  return at::linear(x.to(at::kFloat), weight.to(at::kFloat), bias32).to(at::kBFloat16);
 }
 
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -178,15 +247,25 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
               ", weight ", weight.sizes());
   const int64_t K = weight.size(1), N = weight.size(0);
   const at::Tensor x2d = x.reshape({-1, K});
-  if (!runs_here(x2d, weight, bias)) return at::linear(x, weight, bias);
+  if (!runs_here(x2d, weight)) return widened_linear(x, weight, bias);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor out = at::empty(shape, x.options());
 #ifdef KVGRAPH_SMALL_BATCH
-  small_batch_matmul(x2d.data_ptr<float>(), x2d.stride(0), x2d.size(0),
-                     weight.data_ptr<float>(), N, K,
-                     bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                     out.data_ptr<float>());
+  at::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "small_batch_linear: expected a bias [",
+                N, "], got ", bias->sizes());
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* b = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  if (weight.scalar_type() == at::kFloat) {
+    small_batch_matmul(x2d.data_ptr<float>(), x2d.stride(0), x2d.size(0),
+                       weight.data_ptr<float>(), N, K, b, out.data_ptr<float>());
+  } else {
+    small_batch_matmul(x2d.data_ptr<at::BFloat16>(), x2d.stride(0), x2d.size(0),
+                       weight.data_ptr<at::BFloat16>(), N, K, b, out.data_ptr<at::BFloat16>());
+  }
 #endif
   return out;
 }

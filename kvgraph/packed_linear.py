@@ -133,6 +133,25 @@ def tile_packable(weight: torch.Tensor) -> bool:
             and in_features % TILE_DEPTH == 0 and bf16_tiles_usable())
 
 
+# oneDNN's checks of the processor for its reduced-precision kernels (packing and matmul); without
+# them `_reorder_linear_weight` raises, and torch's plain matmul serves the dtype.
+ONEDNN_NEEDS = ("x86 bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, fp16 AVX-512-FP16 or "
+                "AVX-NE-CONVERT")
+_ONEDNN_DTYPE_CHECKS = {
+    torch.bfloat16: lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    torch.float16: lambda: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
+}
+
+
+def can_pack(dtype: torch.dtype | None = None) -> bool:
+    """Whether this torch has oneDNN (every x86 and Arm CPU build of torch does) and, given a
+    `dtype`, whether oneDNN packs weights of it on this processor."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    check = _ONEDNN_DTYPE_CHECKS.get(dtype)
+    return check is None or bool(check())
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (`[out, in]`, on the CPU) packed once: kvgraph's bf16 tile layout where
     `tile_packable`, else oneDNN's blocked layout."""
@@ -213,25 +232,6 @@ class SmallBatchLinear(nn.Module):
                 f"bias={self.bias is not None}, small-batch kernel")
 
 
-# oneDNN's checks of the processor for its reduced-precision kernels (packing and matmul); without
-# them `_reorder_linear_weight` raises, and torch's plain matmul serves the dtype.
-ONEDNN_NEEDS = ("x86 bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, fp16 AVX-512-FP16 or "
-                "AVX-NE-CONVERT")
-_ONEDNN_DTYPE_CHECKS = {
-    torch.bfloat16: lambda: torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-    torch.float16: lambda: torch.ops.mkldnn._is_mkldnn_fp16_supported(),
-}
-
-
-def can_pack(dtype: torch.dtype | None = None) -> bool:
-    """Whether this torch has oneDNN (every x86 and Arm CPU build of torch does) and, given a
-    `dtype`, whether oneDNN packs weights of it on this processor."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    check = _ONEDNN_DTYPE_CHECKS.get(dtype)
-    return check is None or bool(check())
-
-
 def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES
                         ) -> int:
     """Pack the weight of every CPU linear of `model` whose dtype is in `dtypes`, in place;
@@ -268,7 +268,7 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK
             packed += 1
     if unpackable:
         logger.warning("kvgraph: oneDNN cannot pack %s weights on this processor (%s: %s); they "
-                       "stay plain, run by torch's matmul",
+                       "stay plain (use_small_batch_linear gives bf16 ones kvgraph's kernel)",
                        ", ".join(f"{n} {_dtype_name(d)}" for d, n in unpackable.items()),
                        _cpu_capability(), ONEDNN_NEEDS)
     logger.info("kvgraph: packed %d linear weights (%s)", packed,

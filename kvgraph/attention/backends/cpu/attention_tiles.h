@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -99,18 +99,49 @@ inline void transpose_16x16(const float* src, int64_t ld_src, float* dst, int64_
     _mm512_storeu_ps(dst + (12 + c) * ld_dst, _mm512_shuffle_f32x4(odd01, odd23, 0xDD));
   }
 }
+#elif defined(__AVX2__)
+// dst[j][i] = src[i][j] for an 8x8 block, in registers: pairs of rows interleave, then groups
+// of four, then the 128-bit halves swap into place.
+inline void transpose_8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // r[g + c]: column c of rows g..g+3 in its low half, column c + 4 in its high half.
+  for (int g = 0; g < 8; g += 4) {
+    r[g] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+    r[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xEE);
+    r[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+    r[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * ld_dst, _mm256_permute2f128_ps(r[c], r[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (4 + c) * ld_dst, _mm256_permute2f128_ps(r[c], r[4 + c], 0x31));
+  }
+}
 #endif
 
-// keys_t[d][k] = keys[k][d] for n keys of kdim: 16x16 blocks in registers where the processor
-// has AVX-512, element by element for the rest (and elsewhere).
+// keys_t[d][k] = keys[k][d] for n keys of kdim: blocks in registers (16x16 with AVX-512, 8x8
+// with AVX2), element by element for the rest (and elsewhere).
 inline void transpose_keys(const float* keys, int64_t n, int64_t kdim, float* keys_t) {
   int64_t k_done = 0, d_done = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
 #ifdef __AVX512F__
-  k_done = n / 16 * 16;
-  d_done = kdim / 16 * 16;
-  for (int64_t k0 = 0; k0 < k_done; k0 += 16) {
-    for (int64_t d0 = 0; d0 < d_done; d0 += 16) {
+  constexpr int64_t B = 16;
+#else
+  constexpr int64_t B = 8;
+#endif
+  k_done = n / B * B;
+  d_done = kdim / B * B;
+  for (int64_t k0 = 0; k0 < k_done; k0 += B) {
+    for (int64_t d0 = 0; d0 < d_done; d0 += B) {
+#ifdef __AVX512F__
       transpose_16x16(keys + k0 * kdim + d0, kdim, keys_t + d0 * n + k0, n);
+#else
+      transpose_8x8(keys + k0 * kdim + d0, kdim, keys_t + d0 * n + k0, n);
+#endif
     }
   }
 #endif
@@ -136,7 +167,7 @@ inline void score_rows_partial(const float* q, const float* keys_t, int64_t kdim
 }
 
 // The largest of s[0, n), n >= 1. GCC leaves `omp simd reduction(max)` over std::max scalar
-// (a chain of dependent maxss: an eighth of a decode step's attention), so AVX-512 by hand.
+// (a chain of dependent maxss: an eighth of a decode step's attention), so vectors by hand.
 inline float max_of(const float* s, int64_t n) {
   int64_t k = 0;
   float m = s[0];
@@ -144,6 +175,12 @@ inline float max_of(const float* s, int64_t n) {
   __m512 v = _mm512_set1_ps(s[0]);
   for (; k + 16 <= n; k += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(s + k));
   m = _mm512_reduce_max_ps(v);
+#elif defined(__AVX2__)
+  __m256 v = _mm256_set1_ps(s[0]);
+  for (; k + 8 <= n; k += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(s + k));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  m = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
 #endif
   for (; k < n; ++k) m = std::max(m, s[k]);
   return m;

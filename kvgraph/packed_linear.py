@@ -29,7 +29,7 @@ fp32 weights stay plain (MKL's sgemm reads them as they are), but an fp32 `nn.Li
 `kvgraph_cpu::small_batch_linear` (small_batch_linear.cpp among the CPU kernels), which reads
 the weight once per call where MKL copies it first; larger ones run `F.linear` as before. So
 do bf16 linears that oneDNN cannot pack, their larger batches widened to fp32 for MKL (torch's
-own bf16 matmul is ~8x slower there).
+own bf16 matmul is several times slower there).
 """
 
 from __future__ import annotations

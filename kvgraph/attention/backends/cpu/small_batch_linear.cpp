@@ -10,8 +10,8 @@
 // and prefetches the next four weight rows while it works, so the weights stream from memory
 // once and the inputs stay in L1. Batches of more than MAX_ROWS rows (prefill) are
 // compute-bound: at::linear (MKL) runs them, bf16 ones in fp32 (the op takes bf16 only where
-// oneDNN has no bf16 kernels, and there torch's own bf16 matmul is ~8x slower than widening
-// the weight and running MKL's sgemm: measured on an AVX2 AMD Zen 3). Without AVX2 and FMA
+// oneDNN has no bf16 kernels, and there torch's own bf16 matmul is several times slower than
+// widening the weight and running MKL's sgemm: README, measured on an AVX2 AMD Zen 3). Without AVX2 and FMA
 // at build time every call goes to at::linear that way.
 
 #include <ATen/ATen.h>

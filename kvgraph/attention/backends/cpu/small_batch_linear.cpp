@@ -5,10 +5,10 @@
 // Why: MKL's sgemm copies (packs) the whole weight before multiplying once a batch has more
 // than a row or two, so at 4-16 rows a decode step's matmuls read their weights twice and
 // write them once; a step takes ~2x its 1-row time though it is bound by reading the weights
-// either way. Here each pass takes four weight rows (outputs) and a few input rows (four with
-// AVX-512's 32 vector registers, two with AVX2's 16), keeps their dot products in registers,
-// and prefetches the next four weight rows while it works, so the weights stream from memory
-// once and the inputs stay in L1. Batches of more than MAX_ROWS rows (prefill) are
+// either way. Here each pass takes a few weight rows (outputs: four with AVX-512's 32 vector
+// registers, three with AVX2's 16) and four input rows at a time, keeps their dot products in
+// registers, and prefetches the next pass's weight rows while it works, so the weights stream
+// from memory once and the inputs stay in cache. Batches of more than MAX_ROWS rows (prefill) are
 // compute-bound: at::linear (MKL) runs them, bf16 ones in fp32 (the op takes bf16 only where
 // oneDNN has no bf16 kernels, and there torch's own bf16 matmul is several times slower than
 // widening the weight and running MKL's sgemm: README, measured on an AVX2 AMD Zen 3). Without AVX2 and FMA
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -34,8 +35,6 @@ namespace {
 constexpr int64_t MAX_ROWS = 16;
 
 #ifdef KVGRAPH_SMALL_BATCH
-constexpr int64_t WEIGHT_ROWS = 4;  // outputs per pass
-
 // The widest vector of floats this build has: loads (the last ones partial) and stores, bf16
 // widened, fused multiply-adds, and sums of the lanes (the same order for every row, so a
 // row's outputs have the same bits alone and in a batch).
@@ -43,7 +42,9 @@ constexpr int64_t WEIGHT_ROWS = 4;  // outputs per pass
 struct Lanes {
   using V = __m512;
   static constexpr int64_t WIDTH = 16;
-  static constexpr int64_t INPUT_ROWS = 4;  // 16 accumulators of 32 registers
+  // Tiles of 4 input rows x 4 weight rows: 16 accumulators of 32 registers, any batch.
+  static constexpr int FEW_INPUTS = 4, FEW_WEIGHTS = 4, MANY_INPUTS = 4, MANY_WEIGHTS = 4;
+  static constexpr int64_t FEW_ROWS = MAX_ROWS;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p, int64_t left) {
     return _mm512_maskz_loadu_ps(left >= WIDTH ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1),
@@ -55,6 +56,7 @@ struct Lanes {
   }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V in_register(V v) { return v; }
   static void sum4(V a, V b, V c, V d, float* out) {  // each vector's lanes added up
     out[0] = _mm512_reduce_add_ps(a);
     out[1] = _mm512_reduce_add_ps(b);
@@ -66,7 +68,12 @@ struct Lanes {
 struct Lanes {
   using V = __m256;
   static constexpr int64_t WIDTH = 8;
-  static constexpr int64_t INPUT_ROWS = 2;  // 8 accumulators and 4 weights of 16 registers
+  // Up to FEW_ROWS rows, bound by reading the weights: tiles of 2 input rows x 4 weight rows
+  // (more weight rows streaming at once). More rows: 4 x 3, whose 12 accumulators, 3 weights and
+  // an input take all 16 registers and do 12 FMAs per 7 loads, not 8 per 6 (measured on a Zen
+  // 3: ~1.2-1.8x the speed at 12-16 rows, 0.85-0.9x at 2-4: README).
+  static constexpr int FEW_INPUTS = 2, FEW_WEIGHTS = 4, MANY_INPUTS = 4, MANY_WEIGHTS = 3;
+  static constexpr int64_t FEW_ROWS = 8;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p, int64_t left) {
     if (left >= WIDTH) return _mm256_loadu_ps(p);
@@ -79,16 +86,20 @@ struct Lanes {
   }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  // Each vector's lanes added up, the four at once: a tile of 2 rows against K = 512 has only
-  // 64 steps of 8 FMAs, and a sum apiece cost a third as much again.
+  // v kept in a register: GCC would otherwise fold an input's (or a weight's) load into each of
+  // the FMAs that use it, and 15 loads per 12 FMAs bound the tile at ~0.7x a Zen 3's FMA rate.
+  static V in_register(V v) {
+    __asm__("" : "+x"(v));
+    return v;
+  }
+  // Each vector's lanes added up, the four at once: a tile against K = 512 has only 64 steps,
+  // and a sum apiece costs a fair share of them.
   static void sum4(V a, V b, V c, V d, float* out) {
     const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1)));
   }
 };
 #endif
-constexpr int64_t INPUT_ROWS = Lanes::INPUT_ROWS;  // inputs per tile
-
 // The first `left` of p's bf16 widened (WIDTH where there are as many; zeros after the rest).
 Lanes::V load(const at::BFloat16* p, int64_t left) {
   if (left >= Lanes::WIDTH) return Lanes::widen(p);
@@ -106,122 +117,138 @@ void widen(const at::BFloat16* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = float(src[i]);
 }
 
-// One input row's four dot products. Named members, not an array: GCC keeps an array of
+// One input row's C (3 or 4) dot products. Named members, not an array: GCC keeps an array of
 // vectors in memory and stores every accumulator after every FMA.
+template <int C>
 struct RowSums {
+  static_assert(C == 3 || C == 4, "a tile has three or four weight rows");
   Lanes::V s0 = Lanes::zero(), s1 = Lanes::zero(), s2 = Lanes::zero(), s3 = Lanes::zero();
 
   void add(Lanes::V x, Lanes::V w0, Lanes::V w1, Lanes::V w2, Lanes::V w3) {
     s0 = Lanes::fma(x, w0, s0);
     s1 = Lanes::fma(x, w1, s1);
     s2 = Lanes::fma(x, w2, s2);
-    s3 = Lanes::fma(x, w3, s3);
+    if constexpr (C > 3) s3 = Lanes::fma(x, w3, s3);
   }
 
   // Output j of this row (+ bias), for j < columns (a bf16 output rounded to nearest even).
   template <typename Out>
   void store(Out* out, int64_t columns, const float* bias) const {
     float sums[4];
-    Lanes::sum4(s0, s1, s2, s3, sums);
+    // With three weight rows s3 is never used: passing it would keep a zero in a register.
+    Lanes::sum4(s0, s1, s2, C > 3 ? s3 : s2, sums);
     for (int64_t j = 0; j < columns; ++j)
       out[j] = Out(sums[j] + (bias != nullptr ? bias[j] : 0.f));
   }
 };
 
-// out[i][j] = x[i] . w[j] (+ bias[j]) for i < rows <= R, j < columns: an R x 4 tile (R is
-// INPUT_ROWS, or 1 for a batch of one row), the missing input and weight rows read as copies of
-// the last real one (their sums are dropped). Each sum is added up in the same order either
-// way, so a row's outputs have the same bits alone and in a batch.
+// out[i][j] = x[i] . w[j] (+ bias[j]) for i < R, j < columns <= C: an R x C tile, the missing
+// weight rows read as copies of the last real one (their sums are dropped). Each sum is added
+// up in the same order whatever the tile, so a row's outputs have the same bits alone and in a
+// batch.
 // Meanwhile it fetches into cache the rows of `next` (the next pass's weights, or null)
 // numbered `first`, `first + stride`, ...: each tile of a pass fetches its share, so the
 // weights stream from memory all through the pass, not only while its first tile runs.
-template <int R, typename W, typename Out>
-void dot_tile(const float* x, int64_t ldx, int64_t rows, const W* w, int64_t columns, int64_t K,
+template <int R, int C, typename W, typename Out>
+void dot_tile(const float* x, int64_t ldx, const W* w, int64_t columns, int64_t K,
               const float* bias, Out* out, int64_t ldo, const W* next, int64_t first,
               int64_t stride) {
   static_assert(R >= 1 && R <= 4, "a tile has one to four input rows");
-  const float* xr[4];
   const W* wr[4];
-  for (int64_t i = 0; i < 4; ++i) {
-    xr[i] = x + std::min(i, rows - 1) * ldx;
-    wr[i] = w + std::min(i, columns - 1) * K;
-  }
-  RowSums r0, r1, r2, r3;
-  for (int64_t k = 0; k < K; k += Lanes::WIDTH) {
-    const int64_t left = K - k;
-    const Lanes::V w0 = load(wr[0] + k, left), w1 = load(wr[1] + k, left),
-                   w2 = load(wr[2] + k, left), w3 = load(wr[3] + k, left);
+  for (int64_t j = 0; j < 4; ++j) wr[j] = w + std::min(j, columns - 1) * K;
+  RowSums<C> r0, r1, r2, r3;
+  // One step of WIDTH along K (`left` < WIDTH only in the last, whose loads are partial).
+  const auto step = [&](int64_t k, int64_t left) __attribute__((always_inline)) {
+    const Lanes::V w0 = Lanes::in_register(load(wr[0] + k, left)),
+                   w1 = Lanes::in_register(load(wr[1] + k, left)),
+                   w2 = Lanes::in_register(load(wr[2] + k, left)),
+                   w3 = C > 3 ? Lanes::in_register(load(wr[3] + k, left)) : w2;
     if (next != nullptr && k * int64_t(sizeof(W)) % 64 == 0)  // one prefetch per 64-byte line
-      for (int64_t j = first; j < WEIGHT_ROWS; j += stride)
+      for (int64_t j = first; j < C; j += stride)
         _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
-    r0.add(Lanes::load(xr[0] + k, left), w0, w1, w2, w3);
-    if constexpr (R > 1) r1.add(Lanes::load(xr[1] + k, left), w0, w1, w2, w3);
-    if constexpr (R > 2) r2.add(Lanes::load(xr[2] + k, left), w0, w1, w2, w3);
-    if constexpr (R > 3) r3.add(Lanes::load(xr[3] + k, left), w0, w1, w2, w3);
-  }
+    r0.add(Lanes::in_register(Lanes::load(x + k, left)), w0, w1, w2, w3);
+    if constexpr (R > 1) r1.add(Lanes::in_register(Lanes::load(x + ldx + k, left)), w0, w1, w2, w3);
+    if constexpr (R > 2)
+      r2.add(Lanes::in_register(Lanes::load(x + 2 * ldx + k, left)), w0, w1, w2, w3);
+    if constexpr (R > 3)
+      r3.add(Lanes::in_register(Lanes::load(x + 3 * ldx + k, left)), w0, w1, w2, w3);
+  };
+  int64_t k = 0;
+  for (; k + Lanes::WIDTH <= K; k += Lanes::WIDTH) step(k, Lanes::WIDTH);
+  if (k < K) step(k, K - k);  // apart: partial loads in every step cost a fifth of the time
   // By name: an array of their addresses would keep them in memory all along, as above.
   r0.store(out, columns, bias);
-  if (rows > 1) r1.store(out + ldo, columns, bias);
-  if (rows > 2) r2.store(out + 2 * ldo, columns, bias);
-  if (rows > 3) r3.store(out + 3 * ldo, columns, bias);
+  if constexpr (R > 1) r1.store(out + ldo, columns, bias);
+  if constexpr (R > 2) r2.store(out + 2 * ldo, columns, bias);
+  if constexpr (R > 3) r3.store(out + 3 * ldo, columns, bias);
 }
 
-// Every input row against up to four weight rows, INPUT_ROWS at a time (the later tiles read
-// the same weight rows, by then in L1).
-template <typename W, typename Out>
+// Every input row against up to C weight rows, IR at a time and the rest in one smaller tile
+// (the later tiles read the same weight rows, by then in L1).
+template <int IR, int C, typename W, typename Out>
 void weight_rows(const float* x, int64_t ldx, int64_t M, const W* w, int64_t columns, int64_t K,
                  const float* bias, Out* out, int64_t ldo, const W* next) {
-  if (M == 1) {  // a fraction of a full tile's FMAs
-    dot_tile<1>(x, ldx, 1, w, columns, K, bias, out, ldo, next, 0, 1);
-    return;
-  }
-  const int64_t tiles = (M + INPUT_ROWS - 1) / INPUT_ROWS;
+  const int64_t tiles = (M + IR - 1) / IR;
   for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t m = t * INPUT_ROWS;
-    dot_tile<INPUT_ROWS>(x + m * ldx, ldx, std::min(INPUT_ROWS, M - m), w, columns, K, bias,
-                         out + m * ldo, ldo, next, t, tiles);
+    const int64_t m = t * IR;
+    const float* xt = x + m * ldx;
+    Out* ot = out + m * ldo;
+    const int64_t rows = std::min<int64_t>(IR, M - m);
+    if (rows == IR)
+      dot_tile<IR, C>(xt, ldx, w, columns, K, bias, ot, ldo, next, t, tiles);
+    else if (rows == 1)
+      dot_tile<1, C>(xt, ldx, w, columns, K, bias, ot, ldo, next, t, tiles);
+    else if (rows == 2)
+      dot_tile<std::min(IR, 2), C>(xt, ldx, w, columns, K, bias, ot, ldo, next, t, tiles);
+    else
+      dot_tile<std::min(IR, 3), C>(xt, ldx, w, columns, K, bias, ot, ldo, next, t, tiles);
   }
 }
 
-void small_batch_matmul(const float* x, int64_t ldx, int64_t M, const float* w, int64_t N,
-                        int64_t K, const float* bias, float* out) {
-  const int64_t passes = (N + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
-  // Grain: a thread's share is at least 64 passes (256 outputs), so one thread is one loop.
+// out = x w^T (+ bias), C weight rows per pass, tiles of IR input rows. bf16 weights are read
+// as they are with one input row; with more, each pass's weight rows are widened into an L1
+// buffer the tiles read as in fp32 (widening them in every tile would cost more than the FMAs).
+template <int IR, int C, typename W, typename Out>
+void pass_by_pass(const float* x, int64_t ldx, int64_t M, const W* w, int64_t N, int64_t K,
+                  const float* bias, Out* out) {
+  const int64_t passes = (N + C - 1) / C;
+  // Grain: a thread's share is at least 64 passes (192-256 outputs), so one thread is one loop.
   at::parallel_for(0, passes, 64, [&](int64_t begin, int64_t end) {
+    constexpr bool widens = !std::is_same_v<W, float>;
+    std::vector<float> wf(widens && M > 1 ? C * K : 0);
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n = p * WEIGHT_ROWS, rows = std::min(WEIGHT_ROWS, N - n);
+      const int64_t n = p * C, columns = std::min<int64_t>(C, N - n);
       const float* b = bias != nullptr ? bias + n : nullptr;
-      const float* next = p + 1 < end && n + 2 * WEIGHT_ROWS <= N ? w + (n + WEIGHT_ROWS) * K
-                                                                  : nullptr;
-      weight_rows(x, ldx, M, w + n * K, rows, K, b, out + n, N, next);
+      const W* next = p + 1 < end && n + 2 * C <= N ? w + (n + C) * K : nullptr;
+      if constexpr (widens) {
+        if (M > 1) {
+          widen(w + n * K, columns * K, wf.data());
+          weight_rows<IR, C>(x, ldx, M, wf.data(), columns, K, b, out + n, N,
+                             static_cast<const float*>(nullptr));
+          continue;
+        }
+      }
+      weight_rows<IR, C>(x, ldx, M, w + n * K, columns, K, b, out + n, N, next);
     }
   });
 }
 
+template <typename W, typename Out>
+void small_batch_matmul(const float* x, int64_t ldx, int64_t M, const W* w, int64_t N, int64_t K,
+                        const float* bias, Out* out) {
+  if (M <= Lanes::FEW_ROWS)
+    pass_by_pass<Lanes::FEW_INPUTS, Lanes::FEW_WEIGHTS>(x, ldx, M, w, N, K, bias, out);
+  else
+    pass_by_pass<Lanes::MANY_INPUTS, Lanes::MANY_WEIGHTS>(x, ldx, M, w, N, K, bias, out);
+}
+
 // The same in bf16, the weights streaming from memory at half the bytes: the input rows
-// widened to floats once; with more than one row, each pass's four weight rows too, into an L1
-// buffer the tiles read as in fp32 (widening them in every tile would cost more than the FMAs).
+// widened to floats once.
 void small_batch_matmul(const at::BFloat16* x, int64_t ldx, int64_t M, const at::BFloat16* w,
                         int64_t N, int64_t K, const float* bias, at::BFloat16* out) {
   std::vector<float> xf(M * K);
   for (int64_t m = 0; m < M; ++m) widen(x + m * ldx, K, xf.data() + m * K);
-  const int64_t passes = (N + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
-  at::parallel_for(0, passes, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(M > 1 ? WEIGHT_ROWS * K : 0);
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n = p * WEIGHT_ROWS, rows = std::min(WEIGHT_ROWS, N - n);
-      const float* b = bias != nullptr ? bias + n : nullptr;
-      const at::BFloat16* next = p + 1 < end && n + 2 * WEIGHT_ROWS <= N
-                                     ? w + (n + WEIGHT_ROWS) * K : nullptr;
-      if (M == 1) {
-        weight_rows(xf.data(), K, M, w + n * K, rows, K, b, out + n, N, next);
-        continue;
-      }
-      widen(w + n * K, rows * K, wf.data());
-      weight_rows(xf.data(), K, M, wf.data(), rows, K, b, out + n, N,
-                  static_cast<const float*>(nullptr));
-    }
-  });
+  small_batch_matmul(xf.data(), K, M, w, N, K, bias, out);
 }
 #endif
 

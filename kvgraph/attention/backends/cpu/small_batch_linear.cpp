@@ -5,10 +5,10 @@
 // Why: MKL's sgemm copies (packs) the whole weight before multiplying once a batch has more
 // than a row or two, so at 4-16 rows a decode step's matmuls read their weights twice and
 // write them once; a step takes ~2x its 1-row time though it is bound by reading the weights
-// either way. Here each pass takes a few weight rows (outputs: four with AVX-512's 32 vector
-// registers, three with AVX2's 16) and four input rows at a time, keeps their dot products in
-// registers, and prefetches the next pass's weight rows while it works, so the weights stream
-// from memory once and the inputs stay in cache. Batches of more than MAX_ROWS rows (prefill) are
+// either way. Here each pass takes a few weight rows (outputs) and runs every input row against
+// them in tiles (shapes in `Lanes`), keeping the dot products in registers and prefetching the
+// next pass's weight rows meanwhile, so the weights stream from memory once and the inputs stay
+// in cache. Batches of more than MAX_ROWS rows (prefill) are
 // compute-bound: at::linear (MKL) runs them, bf16 ones in fp32 (the op takes bf16 only where
 // oneDNN has no bf16 kernels, and there torch's own bf16 matmul is several times slower than
 // widening the weight and running MKL's sgemm: README, measured on an AVX2 AMD Zen 3). Without AVX2 and FMA

@@ -71,7 +71,7 @@ struct Lanes {
   // Up to FEW_ROWS rows, bound by reading the weights: tiles of 2 input rows x 4 weight rows
   // (more weight rows streaming at once). More rows: 4 x 3, whose 12 accumulators, 3 weights and
   // an input take all 16 registers and do 12 FMAs per 7 loads, not 8 per 6 (measured on a Zen
-  // 3: ~1.2-1.8x the speed at 12-16 rows, 0.85-0.9x at 2-4: README).
+  // 3 against 2 x 4: ~1.2-1.35x the speed at 12-16 rows, ~0.9x at 2-4).
   static constexpr int FEW_INPUTS = 2, FEW_WEIGHTS = 4, MANY_INPUTS = 4, MANY_WEIGHTS = 3;
   static constexpr int64_t FEW_ROWS = 8;
   static V zero() { return _mm256_setzero_ps(); }
@@ -175,7 +175,7 @@ void dot_tile(const float* x, int64_t ldx, const W* w, int64_t columns, int64_t 
   };
   int64_t k = 0;
   for (; k + Lanes::WIDTH <= K; k += Lanes::WIDTH) step(k, Lanes::WIDTH);
-  if (k < K) step(k, K - k);  // apart: partial loads in every step cost a fifth of the time
+  if (k < K) step(k, K - k);  // apart: partial loads in every step kept a sum in memory
   // By name: an array of their addresses would keep them in memory all along, as above.
   r0.store(out, columns, bias);
   if constexpr (R > 1) r1.store(out + ldo, columns, bias);

@@ -87,3 +87,27 @@ def test_vllm_runs_bound_to_the_settings_cpus_with_its_openmp_preloaded(tmp_path
     assert env.environ([0], preload=True)["LD_PRELOAD"].split(":")[0] == \
         str(tmp_path / "lib" / "libiomp5.so")
     assert env.environ([0], preload=False).get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+def test_turns_wait_until_the_other_engines_processes_stop_burning_a_core():
+    import subprocess
+    import time
+
+    from examples.benchmarks.quiet import process_tree, wait_until_quiet
+    # A parent that idles while its child spins, as vLLM's worker polls after a request.
+    spin = "import time\nend = time.time() + 0.8\nwhile time.time() < end: pass"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               f"subprocess.run([sys.executable, '-c', {spin!r}]); "
+                               "time.sleep(30)"])
+    try:
+        deadline = time.time() + 10
+        while len(process_tree([parent.pid])) < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert len(process_tree([parent.pid])) == 2  # the child is part of the tree
+        waited = wait_until_quiet([parent.pid])
+        assert 0.3 < waited < 5  # until the child's spin ended, not the timeout
+        assert wait_until_quiet([parent.pid]) < 0.5  # quiet now: one window
+    finally:
+        parent.kill()
+        parent.wait()

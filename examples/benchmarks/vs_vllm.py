@@ -23,8 +23,10 @@ prefix caching, so repeated prompts are computed again. Measured:
   difference is whole-batch decode steps only (detokenizing and sampling included, as served).
 - prefill: 16 prompts of 64 tokens, max_tokens 1: prompt tokens per second.
 - serving (vs_vllm_serve.py): `vllm bench serve` against both servers.
-The table gives medians over rounds and kvgraph / vLLM: for times lower is better, for
-throughputs higher. Numbers are only as quiet as the machine: run it alone.
+Before each engine's turn it waits until neither engine's processes use the CPU (`quiet.py`:
+vLLM's worker polls at a full core for ~1 s after each request, which on every core would be
+timed as part of kvgraph's next turn). The table gives medians over rounds and kvgraph / vLLM:
+for times lower is better, for throughputs higher. Numbers are only as quiet as the machine: run it alone.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 import kvgraph
 from examples.benchmarks import vllm_env
 from examples.benchmarks.engine_worker import WORKER, Worker
+from examples.benchmarks.quiet import wait_until_quiet
 from examples.benchmarks.timing import machine, write_json
 from examples.benchmarks.vs_vllm_serve import measure_serving
 
@@ -205,11 +208,15 @@ def measure_offline(workers: dict[str, Worker], args: argparse.Namespace, vocab:
     samples: dict[str, dict[str, list[float]]] = {}
     for worker in workers.values():
         measure_round(worker, parts, args, vocab)  # first calls compile and grow allocators
+    pids = [worker.process.pid for worker in workers.values()]
     for round_ in range(args.rounds):
+        waited = 0.0
         for engine, worker in workers.items():
+            waited += wait_until_quiet(pids)  # no engine's idle polling in another's time
             for metric, value in measure_round(worker, parts, args, vocab).items():
                 samples.setdefault(metric, {}).setdefault(engine, []).append(value)
-        print(f"  round {round_ + 1}/{args.rounds}", flush=True)
+        print(f"  round {round_ + 1}/{args.rounds} (waited {waited:.1f} s for quiet)",
+              flush=True)
     return samples
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.benchmarks.engine_worker import REPO
+from examples.benchmarks.quiet import wait_until_quiet
 from examples.benchmarks.vllm_env import VllmEnv
 
 STARTUP_TIMEOUT_S = 900  # both compile at start-up; a busy 2-core machine takes minutes
@@ -149,6 +150,7 @@ def measure_serving(vllm: VllmEnv, checkpoint: Path, dtype: str, cpus: list[int]
     try:
         for round_ in range(args.serve_rounds):
             for engine, server in servers.items():
+                wait_until_quiet([s.process.pid for s in servers.values()])
                 # The first round warms each server up (its first requests compile nothing
                 # new, but allocators and caches grow).
                 row = bench(vllm, server, checkpoint, args, logs,

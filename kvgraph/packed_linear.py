@@ -25,9 +25,10 @@ kernels give the output's shape.
 A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
 
 fp32 weights stay plain (MKL's sgemm reads them as they are), but an fp32 `nn.Linear` becomes a
-`SmallBatchLinear`: batches of up to 16 rows, a decode step's, run
-`kvgraph_cpu::small_batch_linear` (small_batch_linear.cpp among the CPU kernels), which reads
-the weight once per call where MKL copies it first; larger ones run `F.linear` as before. So
+`SmallBatchLinear`: batches of a decode step's few rows (`small_batch_max_rows()`: 16 with
+AVX-512, 48 with AVX2 only) run `kvgraph_cpu::small_batch_linear` (small_batch_linear.cpp among
+the CPU kernels), which reads the weight once per call where MKL copies it first; larger ones
+run `F.linear` as before. So
 do bf16 linears that oneDNN cannot pack, their larger batches widened to fp32 for MKL (torch's
 own bf16 matmul is several times slower there).
 """
@@ -100,8 +101,12 @@ def bf16_tiles_usable() -> bool:
                                  "bf16 linears run oneDNN's"):
         return False
     usable = torch.ops.kvgraph_cpu.bf16_linear_level() == 2
-    logger.info("kvgraph: bf16 linears run %s", "kvgraph's AMX kernel" if usable
-                else "oneDNN's (this processor has no AMX)")
+    if usable:
+        logger.info("kvgraph: bf16 linears run kvgraph's AMX kernel")
+    elif can_pack(torch.bfloat16):
+        logger.info("kvgraph: bf16 linears run oneDNN's (this processor has no AMX)")
+    else:  # packing says why; use_small_batch_linear says what runs them instead
+        logger.info("kvgraph: this processor has neither AMX nor oneDNN's bf16 kernels")
     return usable
 
 
@@ -213,10 +218,20 @@ def small_batch_kernel_loaded() -> bool:
                                  "fp32 linears run F.linear")
 
 
+def small_batch_max_rows() -> int:
+    """The most rows a small-batch call runs in kvgraph's kernel here (more go to `F.linear`):
+    where the measured gain ends for this build's vectors; 0 without the kernels, or where they
+    were built without AVX2 and FMA."""
+    if not small_batch_kernel_loaded():
+        return 0
+    return torch.ops.kvgraph_cpu.small_batch_linear_max_rows()
+
+
 class SmallBatchLinear(nn.Module):
     """A CPU `nn.Linear` (fp32, or bf16 where oneDNN has no bf16 kernels; same weight, same
-    layout) whose batches of up to 16 rows run kvgraph's small-batch kernel (more rows: MKL,
-    bf16 widened to fp32): the module `use_small_batch_linear` puts in its place."""
+    layout) whose batches of up to `small_batch_max_rows()` rows run kvgraph's small-batch
+    kernel (more rows: MKL, bf16 widened to fp32): the module `use_small_batch_linear` puts in
+    its place."""
 
     def __init__(self, source: nn.Linear):
         super().__init__()
@@ -298,6 +313,7 @@ def use_small_batch_linear(model: nn.Module) -> int:
         return 0
     for parent, name, child in linears:
         setattr(parent, name, SmallBatchLinear(child))
-    logger.info("kvgraph: %d linears (%s) run the small-batch kernel at up to 16 rows",
-                len(linears), ", ".join(sorted({_dtype_name(c.weight.dtype) for *_, c in linears})))
+    logger.info("kvgraph: %d linears (%s) run the small-batch kernel at up to %d rows",
+                len(linears), ", ".join(sorted({_dtype_name(c.weight.dtype) for *_, c in linears})),
+                small_batch_max_rows())
     return len(linears)

@@ -1,6 +1,6 @@
 """The small-batch linear (`kvgraph_cpu::small_batch_linear`, SmallBatchLinear), fp32 and bf16:
 the float64 product for every row count, ragged shapes and strided inputs; each row the same
-bits whatever batch it came in; F.linear past 16 rows (bf16 widened to fp32); which linears
+bits whatever batch it came in; F.linear past its rows (bf16 widened to fp32); which linears
 take it (bf16 only where oneDNN cannot pack it); and models whose linears run it generating
 what plain ones do, in graphs, with eager and inductor pieces."""
 
@@ -19,9 +19,9 @@ pytestmark = pytest.mark.skipif(not small_batch_kernel_loaded(),
 
 # fp32 sums of up to 1408 products in another order than float64's.
 FP32 = dict(atol=2e-4, rtol=1e-4)
-# Tiles of 2 or 4 rows (AVX2: 2 up to 8 rows, 4 past them) and every remainder of either;
-# 17 and 40 go to F.linear.
-ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 13, 16, 17, 40]
+# Tiles of 2 or 4 rows (AVX2: 2 up to 8 rows, 4 past them) and every remainder of either; past
+# 16 (AVX-512) or 48 (AVX2) rows F.linear: 17, 40, 47 and 48 run either, 49 and 70 F.linear.
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 13, 16, 17, 40, 47, 48, 49, 70]
 
 
 def small_batch_linear(x, weight, bias=None):
@@ -78,6 +78,18 @@ def test_a_row_has_the_same_bits_in_any_batch(dtype):
         assert torch.equal(small_batch_linear(x[i:i + 1], weight), batch[i:i + 1])
     for rows in (slice(3, 9), slice(2, 12)):  # tiles of other shapes on AVX2 (up to 8 rows, more)
         assert torch.equal(small_batch_linear(x[rows], weight), batch[rows])
+
+
+def test_batches_past_its_rows_run_f_linear_and_no_build_claims_more_than_measured():
+    max_rows = packed_linear.small_batch_max_rows()
+    # AVX-512, AVX2 (what the README's measurements support), or built without AVX2 and FMA
+    assert max_rows in (16, 48, 0)
+    torch.manual_seed(0)
+    x, weight = torch.randn(max_rows + 1, 64), torch.randn(24, 64)
+    assert torch.equal(small_batch_linear(x, weight), nn.functional.linear(x, weight))
+    bf16 = x.bfloat16(), weight.bfloat16()  # widened to fp32 for MKL, the result rounded back
+    want = nn.functional.linear(bf16[0].float(), bf16[1].float()).bfloat16()
+    assert torch.equal(small_batch_linear(*bf16), want)
 
 
 def test_other_dtypes_and_shapes_that_disagree():
@@ -190,3 +202,23 @@ def test_the_benchmark_times_both_kernels(tmp_path):
     assert [row["rows"] for row in payload["results"]] == [1, 20]
     assert all(ms > 0 for row in payload["results"] for ms in row["ms"].values())
     assert (tmp_path / "sbl.json").exists()
+
+
+def test_the_benchmark_times_another_version_of_the_kernel_beside_it(tmp_path):
+    from examples.benchmarks import small_batch_linear as benchmark
+    # The shipped source under another op namespace: the same kernel, so the same results.
+    payload = benchmark.main(["--preset", "tiny", "--rows", "3", "--rounds", "1",
+                              "--against", str(benchmark.KERNEL_SOURCE),
+                              "--json", str(tmp_path / "sbl.json")])
+    (row,) = payload["results"]
+    assert row["ms"]["against"] > 0 and row["ratio_to_against"] > 0
+    x, w = torch.randn(3, 24), torch.randn(5, 24)
+    torch.testing.assert_close(torch.ops.kvgraph_cpu_against.small_batch_linear(x, w, None),
+                               torch.ops.kvgraph_cpu.small_batch_linear(x, w, None),
+                               rtol=0, atol=0)
+
+
+def test_the_benchmark_names_a_revision_it_cannot_find():
+    from examples.benchmarks import small_batch_linear as benchmark
+    with pytest.raises(SystemExit, match="not a file, nor a git revision"):
+        benchmark.against_source("no-such-revision-kvgraph")

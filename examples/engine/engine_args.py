@@ -72,7 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        help="tokens per cache block (default: the device's, 16; 128 on an NPU)")
     group.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                        help="on the CPU, pack bf16/fp16 linear weights for oneDNN once at load, "
-                       "and run fp32 linears of up to 16 rows in kvgraph's small-batch kernel "
+                       "and run fp32 linears of a decode step's few rows (16 with AVX-512, 48 with "
+                       "AVX2) in kvgraph's small-batch kernel "
                        "(kvgraph.packed_linear)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")

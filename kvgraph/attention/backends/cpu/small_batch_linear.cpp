@@ -8,7 +8,7 @@
 // either way. Here each pass takes a few weight rows (outputs) and runs every input row against
 // them in tiles (shapes in `Lanes`), keeping the dot products in registers and prefetching the
 // next pass's weight rows meanwhile, so the weights stream from memory once and the inputs stay
-// in cache. Batches of more than MAX_ROWS rows (prefill) are
+// in cache. Batches of more than `Lanes::MAX_ROWS` rows (prefill) are
 // compute-bound: at::linear (MKL) runs them, bf16 ones in fp32 (the op takes bf16 only where
 // oneDNN has no bf16 kernels, and there torch's own bf16 matmul is several times slower than
 // widening the weight and running MKL's sgemm: README, measured on an AVX2 AMD Zen 3). Without AVX2 and FMA
@@ -31,9 +31,6 @@
 
 namespace {
 
-// Rows past which a batch goes to at::linear: where the measured gain ends (README).
-constexpr int64_t MAX_ROWS = 16;
-
 #ifdef KVGRAPH_SMALL_BATCH
 // The widest vector of floats this build has: loads (the last ones partial) and stores, bf16
 // widened, fused multiply-adds, and sums of the lanes (the same order for every row, so a
@@ -44,7 +41,8 @@ struct Lanes {
   static constexpr int64_t WIDTH = 16;
   // Tiles of 4 input rows x 4 weight rows: 16 accumulators of 32 registers, any batch.
   static constexpr int FEW_INPUTS = 4, FEW_WEIGHTS = 4, MANY_INPUTS = 4, MANY_WEIGHTS = 4;
-  static constexpr int64_t FEW_ROWS = MAX_ROWS;
+  // Rows past which a batch goes to at::linear: measured on a Xeon (README) up to 16 only.
+  static constexpr int64_t MAX_ROWS = 16, FEW_ROWS = MAX_ROWS;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p, int64_t left) {
     return _mm512_maskz_loadu_ps(left >= WIDTH ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1),
@@ -74,6 +72,9 @@ struct Lanes {
   // 3 against 2 x 4: ~1.2-1.35x the speed at 12-16 rows, ~0.9x at 2-4).
   static constexpr int FEW_INPUTS = 2, FEW_WEIGHTS = 4, MANY_INPUTS = 4, MANY_WEIGHTS = 3;
   static constexpr int64_t FEW_ROWS = 8;
+  // Rows past which a batch goes to at::linear (MKL, bf16 widened): on a Zen 3 the 4 x 3 tiles
+  // took 0.7x MKL's time at 24 rows, 0.9x at 48, 0.96x at 64, 1.06x at 96 (README).
+  static constexpr int64_t MAX_ROWS = 48;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p, int64_t left) {
     if (left >= WIDTH) return _mm256_loadu_ps(p);
@@ -255,7 +256,7 @@ void small_batch_matmul(const at::BFloat16* x, int64_t ldx, int64_t M, const at:
 bool runs_here(const at::Tensor& x2d, const at::Tensor& weight) {
 #ifdef KVGRAPH_SMALL_BATCH
   const auto dtype = weight.scalar_type();
-  return x2d.size(0) <= MAX_ROWS && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+  return x2d.size(0) <= Lanes::MAX_ROWS && (dtype == at::kFloat || dtype == at::kBFloat16) &&
          x2d.scalar_type() == dtype && weight.is_contiguous() && x2d.stride(1) == 1 &&
          !x2d.is_mkldnn() && !weight.is_mkldnn();
 #else
@@ -304,12 +305,26 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// The most rows a call runs here (0: built without AVX2 and FMA, every call goes to at::linear).
+int64_t small_batch_linear_max_rows() {
+#ifdef KVGRAPH_SMALL_BATCH
+  return Lanes::MAX_ROWS;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvgraph_cpu, m) {
   m.def("small_batch_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("small_batch_linear_max_rows() -> int");
 }
 
 TORCH_LIBRARY_IMPL(kvgraph_cpu, CPU, m) {
   m.impl("small_batch_linear", &small_batch_linear);
+}
+
+TORCH_LIBRARY_IMPL(kvgraph_cpu, CompositeExplicitAutograd, m) {
+  m.impl("small_batch_linear_max_rows", &small_batch_linear_max_rows);
 }

@@ -4,13 +4,19 @@ engine build that sets them before compiling."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from examples.engine import add_engine_args, build_engine
-from examples.engine.threads import choose_threads, set_compute_threads, usable_cores
+from examples.engine.threads import (bind_compute_threads, choose_threads, set_compute_threads,
+                                     usable_cores)
 from examples.engine.tp_launch import ranks_on_node
 from examples.models import DeepseekMLA, Llama
 
@@ -75,3 +81,72 @@ def test_building_the_engine_sets_its_threads(flag, threads):
     engine, summary = build_engine(args, {"llama": Llama, "mla": DeepseekMLA})
     engine.runner.close()
     assert torch.get_num_threads() == summary["threads"] == threads
+
+
+# In a process of its own: binding confines the calling thread (pytest's) to one core.
+BIND_CHECK = """
+import json, os, sys, torch
+from examples.engine.threads import bind_compute_threads
+threads = int(sys.argv[1])
+torch.set_num_threads(threads)
+placed = bind_compute_threads(threads)
+torch.ones(1 << 20).sum()  # a parallel region after binding runs on the bound threads
+affinities = sorted(sorted(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task"))
+print(json.dumps({"placed": placed, "main": sorted(os.sched_getaffinity(0)),
+                  "affinities": affinities}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity calls")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bound_threads_each_keep_one_of_the_first_usable_cores(threads):
+    cores = sorted(os.sched_getaffinity(0))
+    if threads > len(cores):
+        pytest.skip(f"{len(cores)} usable core(s)")
+    from kvgraph.attention.backends.cpu import build
+    try:
+        build.load_kernels()  # built here once, so the child only loads them
+    except build.KernelBuildError as error:
+        pytest.skip(str(error))
+    done = subprocess.run([sys.executable, "-c", BIND_CHECK, str(threads)], capture_output=True,
+                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["placed"] == cores[:threads]
+    assert result["main"] == cores[:1]  # the caller is OpenMP's thread 0
+    for core in cores[:threads]:  # each core holds one bound thread
+        assert [core] in result["affinities"]
+
+
+def test_binding_is_skipped_saying_why_where_it_cannot_be_one_thread_per_core(caplog):
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    with caplog.at_level(logging.WARNING, logger="examples.engine.threads"):
+        assert bind_compute_threads(1, ranks=2) == []
+        assert bind_compute_threads(len(os.sched_getaffinity(0)) + 1) == []
+    assert "several ranks share this node" in caplog.text
+    assert "threads for" in caplog.text and "usable cores" in caplog.text
+    if before is not None:
+        assert os.sched_getaffinity(0) == before  # nothing was bound
+
+
+def test_the_engine_binds_only_when_asked():
+    args = add_engine_args(argparse.ArgumentParser()).parse_args(["--preset", "tiny"])
+    assert args.bind_threads is False
+    assert add_engine_args(argparse.ArgumentParser()).parse_args(
+        ["--preset", "tiny", "--bind-threads"]).bind_threads is True
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity calls")
+def test_a_core_outside_the_affinity_mask_is_refused_naming_it():
+    from kvgraph.attention.backends.cpu import build
+    try:
+        build.load_kernels()
+    except build.KernelBuildError as error:
+        pytest.skip(str(error))
+    outside = max(os.sched_getaffinity(0)) + 1000
+    code = ("import torch; from kvgraph.attention.backends.cpu.build import load_kernels; "
+            f"load_kernels(); torch.ops.kvgraph_cpu.bind_compute_threads([{outside}])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=300)
+    assert done.returncode != 0
+    assert f"could not bind thread 0 to CPU {outside}" in done.stderr

@@ -32,7 +32,7 @@ from .engine import LLMEngine
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
 from .startup_gc import freeze_startup_objects
 from .tokenizer import ByteTokenizer
-from .threads import SERVING_CORES, set_compute_threads
+from .threads import SERVING_CORES, bind_compute_threads, set_compute_threads
 from .tp_launch import ranks_on_node, tensor_parallel_size, torchrun_rendezvous
 from .tp_workers import run_worker, start_rank_zero
 
@@ -83,6 +83,9 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        help="torch compute threads of this process, of each rank under tensor "
                        f"parallelism (default: the usable cores less {SERVING_CORES}, shared by "
                        "the ranks on the node, at least 1)")
+    group.add_argument("--bind-threads", action=argparse.BooleanOptionalAction, default=False,
+                       help="bind the compute threads to the first usable cores, one each, as "
+                       "vLLM's CPU worker does (one rank per node only; Linux)")
     group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
                        help="ranks to shard the model over (default 1, or torchrun's WORLD_SIZE); "
                        "rank 0 spawns the others unless torchrun started them")
@@ -181,6 +184,9 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
                                        max_model_len, build_runner), tp)
     runner = build_runner(sizing.num_blocks)
     capture = runner.capture()  # compiles first: a compile error raises here, before serving
+    if args.bind_threads:  # after compiling: what this thread starts later shares its core
+        bind_compute_threads(threads, ranks_on_node(tp.world_size),
+                             f"rank {tp.rank}" if tp.world_size > 1 else "engine")
     freeze_startup_objects()  # after the last start-up allocation, before the first step
     return RankBuild(runner, tokenizer, sizing, capture, threads)
 

@@ -68,3 +68,30 @@ def set_compute_threads(requested: int | None = None, ranks: int = 1,
     logger.info("%s: %d compute thread%s (%d cores usable; %s)", who, choice.threads,
                 "" if choice.threads == 1 else "s", choice.cores, choice.why)
     return choice
+
+
+def bind_compute_threads(threads: int, ranks: int = 1, who: str = "this process"
+                         ) -> list[int]:
+    """Bind torch's `threads` compute threads to the first usable cores, one each (kvgraph's
+    `kvgraph_cpu::bind_compute_threads`); the cores they run on, logged. Nothing is bound, and
+    it says why, with several ranks on the node (each would need a slice of its own), more
+    threads than cores, or without kvgraph's CPU kernels.
+
+    Call it after compiling: the calling thread is bound too, and every thread and process it
+    starts afterwards inherits its one core (inductor's compile workers would share it)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    why_not = ("several ranks share this node" if ranks > 1
+               else f"{threads} threads for {len(cores)} usable cores" if threads > len(cores)
+               else None)
+    if why_not is None:
+        from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
+        try:
+            load_kernels()
+        except KernelBuildError as error:
+            why_not = str(error)
+    if why_not is not None:
+        logger.warning("%s: compute threads not bound: %s", who, why_not)
+        return []
+    placed = list(torch.ops.kvgraph_cpu.bind_compute_threads(cores[:threads]))
+    logger.info("%s: compute threads bound to cores %s", who, placed or "(not on this OS)")
+    return placed

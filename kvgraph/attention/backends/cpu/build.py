@@ -1,7 +1,7 @@
 """Builds the CPU kernels (attention, linears) on first use, into kvgraph's cache dir.
 
 The C++ sources ship with the package (`paged_attention.cpp`, the header it includes,
-`small_batch_linear.cpp` and `bf16_linear.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`,
+`small_batch_linear.cpp`, `bf16_linear.cpp` and `thread_affinity.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`,
 which needs a C++ compiler and ninja, as inductor needs a compiler) builds them once into
 `<cache dir>/cpu_attention/<key>`, where the key covers the sources, torch's version, the flags
 and the processor (the build is `-march=native`). A second process finds the library there and only loads it. The cache dir is
@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 # routes fp32 (small batches) and tile-packed bf16 weights through.
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),
            Path(__file__).with_name("small_batch_linear.cpp"),
-           Path(__file__).with_name("bf16_linear.cpp"))
+           Path(__file__).with_name("bf16_linear.cpp"),
+           Path(__file__).with_name("thread_affinity.cpp"))
 HEADERS = (Path(__file__).with_name("attention_tiles.h"),)  # included by paged_attention.cpp
 LIBRARY_NAME = "kvgraph_cpu_attention"
 # OpenMP: at::parallel_for runs on torch's threads. On x86, GCC's tuning for recent Intel cores

@@ -31,8 +31,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from examples.benchmarks.timing import machine, write_json
 from examples.benchmarks.engine_worker import REPO
+from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import PRESETS, Llama
 from kvgraph.attention.backends.cpu import build
 from kvgraph.packed_linear import small_batch_kernel_loaded

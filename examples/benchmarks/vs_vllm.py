@@ -26,7 +26,8 @@ prefix caching, so repeated prompts are computed again. Measured:
 Before each engine's turn it waits until neither engine's processes use the CPU (`quiet.py`:
 vLLM's worker polls at a full core for ~1 s after each request, which on every core would be
 timed as part of kvgraph's next turn). The table gives medians over rounds and kvgraph / vLLM:
-for times lower is better, for throughputs higher. Numbers are only as quiet as the machine: run it alone.
+for times lower is better, for throughputs higher. Numbers are only as quiet as the machine:
+run it alone.
 """
 
 from __future__ import annotations

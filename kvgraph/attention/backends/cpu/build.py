@@ -1,10 +1,11 @@
-"""Builds the CPU kernels (attention, linears) on first use, into kvgraph's cache dir.
+"""Builds the CPU kernels (attention, linears, thread binding) on first use, into the cache dir.
 
 The C++ sources ship with the package (`paged_attention.cpp`, the header it includes,
-`small_batch_linear.cpp`, `bf16_linear.cpp` and `thread_affinity.cpp`); torch's extension machinery (`torch.utils.cpp_extension.load`,
-which needs a C++ compiler and ninja, as inductor needs a compiler) builds them once into
-`<cache dir>/cpu_attention/<key>`, where the key covers the sources, torch's version, the flags
-and the processor (the build is `-march=native`). A second process finds the library there and only loads it. The cache dir is
+`small_batch_linear.cpp`, `bf16_linear.cpp` and `thread_affinity.cpp`); torch's extension
+machinery (`torch.utils.cpp_extension.load`, which needs a C++ compiler and ninja, as inductor
+needs a compiler) builds them once into `<cache dir>/cpu_attention/<key>`, where the key covers
+the sources, torch's version, the flags and the processor (the build is `-march=native`). A
+second process finds the library there and only loads it. The cache dir is
 kvgraph's default one (`KVGRAPH_CACHE_DIR`, else `$XDG_CACHE_HOME/kvgraph`: where compiled pieces
 go unless a config names another; a backend is chosen before any config reaches it), and the
 same trust rules hold: the library is code, so a tree with a link, or with anything another user
@@ -37,8 +38,8 @@ from kvgraph.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-# The CPU platform's native kernels: paged attention, and the linears kvgraph.packed_linear
-# routes fp32 (small batches) and tile-packed bf16 weights through.
+# The CPU platform's native kernels: paged attention, the linears kvgraph.packed_linear routes
+# fp32 (small batches) and tile-packed bf16 weights through, and the engine's thread binding.
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),
            Path(__file__).with_name("small_batch_linear.cpp"),
            Path(__file__).with_name("bf16_linear.cpp"),

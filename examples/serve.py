@@ -52,6 +52,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from .engine import EngineDeadError, run_if_worker
+    from .engine.burst_window import CPU_GAP_MS, burst_window
+    from .engine.engine_args import non_negative_float
     from .engine.engine_core import STARTUP_ERRORS
     from .engine.engine_process import EngineProcess, EngineStartError
     from .engine.tp_launch import torchrun_rendezvous
@@ -67,6 +69,8 @@ if __package__:
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
     from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from engine import EngineDeadError, run_if_worker
+    from engine.burst_window import CPU_GAP_MS, burst_window
+    from engine.engine_args import non_negative_float
     from engine.engine_core import STARTUP_ERRORS
     from engine.engine_process import EngineProcess, EngineStartError
     from engine.tp_launch import torchrun_rendezvous
@@ -249,6 +253,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="where the engine steps: a process of its own (default; the server "
                         "and the engine then never wait for each other's GIL), or a thread of "
                         "the server's process (always so under torchrun)")
+    parser.add_argument("--burst-gap-ms", type=non_negative_float, metavar="MS",
+                        help="when a request wakes an idle engine, take the requests that "
+                        "follow it each within MS of the last (for 4 gaps at most) before "
+                        "stepping, so a burst is prefilled together (default: "
+                        f"{CPU_GAP_MS:g} on the CPU, 0 on an accelerator)")
     return parser.parse_args(argv)
 
 
@@ -284,7 +293,7 @@ def start_engine(args: argparse.Namespace) -> AsyncEngine | EngineProcess:
         return engine
     if args.engine_loop == "process":
         logger.info("under torchrun the engine runs in a thread of rank 0's process")
-    return AsyncEngine(build_engine(args, MODELS)[0])
+    return AsyncEngine(build_engine(args, MODELS)[0], burst=burst_window(args))
 
 
 def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace

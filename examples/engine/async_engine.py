@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, Sequence
 
+from .burst_window import BurstWindow
 from .engine import LLMEngine
 from .errors import EngineDeadError, RequestError, RequestFailed
 from .request import RequestOutput
@@ -21,6 +22,7 @@ from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_STOP = object()  # what `_receive` makes of the stop command (None: nothing came)
 # Seconds between refreshes of the stats snapshot that HTTP threads read.
 STATS_INTERVAL = 0.25
 
@@ -35,8 +37,10 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine,
-                 on_fatal: Callable[[EngineDeadError], None] | None = None):
+                 on_fatal: Callable[[EngineDeadError], None] | None = None,
+                 burst: BurstWindow = BurstWindow()):
         self.engine = engine
+        self.burst = burst
         self.on_fatal = on_fatal
         self.fatal_error: EngineDeadError | None = None
         self.stats: dict[str, Any] = engine.stats()  # replaced, never mutated: safe to read
@@ -89,7 +93,9 @@ class AsyncEngine:
                 self._refresh_stats()
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands; False when asked to stop."""
+        """Apply queued commands, and when they wake an idle engine, those that follow within
+        its burst window; False when asked to stop."""
+        idle = not self.engine.has_unfinished
         try:
             command = self._commands.get(block=block)
             while command is not None:
@@ -97,7 +103,23 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             return False
         except queue.Empty:
-            return True
+            pass
+        if idle and self.engine.has_unfinished:
+            for command in self.burst.gather(self._receive, self._full):
+                if command is _STOP:
+                    return False
+                command()
+        return True
+
+    def _receive(self, timeout: float) -> Callable[[], None] | object | None:
+        try:
+            command = self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return _STOP if command is None else command
+
+    def _full(self) -> bool:
+        return len(self.engine.requests) >= self.engine.runner.limits.max_num_seqs
 
     def _add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
              loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:

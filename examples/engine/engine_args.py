@@ -113,6 +113,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def load_model(args: argparse.Namespace, models: Mapping[str, Any],
                tp: TensorParallelGroup | None = None) -> tuple[nn.Module, Any]:
     """The model and tokenizer `--model` names; `models` maps names to example model classes.

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 from kvgraph import CompileError
 
+from .burst_window import BurstWindow, burst_window
 from .engine import LLMEngine
 from .errors import EngineDeadError, RequestError
 
@@ -72,7 +73,7 @@ def run_engine_core(conn: Connection, args: argparse.Namespace,
         limits = engine.runner.limits
         conn.send((READY, EngineInfo(engine.tokenizer, limits.max_model_len,
                                      engine.runner.vocab_size, summary, engine.stats())))
-        EngineCore(engine, conn).run()
+        EngineCore(engine, conn, burst_window(args)).run()
     finally:
         engine.runner.close()  # with tensor parallelism: the other ranks stop too
 
@@ -80,9 +81,11 @@ def run_engine_core(conn: Connection, args: argparse.Namespace,
 class EngineCore:
     """Steps one engine while it has work, applying the pipe's commands between steps."""
 
-    def __init__(self, engine: LLMEngine, conn: Connection):
+    def __init__(self, engine: LLMEngine, conn: Connection,
+                 burst: BurstWindow = BurstWindow()):
         self.engine = engine
         self.conn = conn
+        self.burst = burst
         self.dead = False  # after an EngineDeadError: take commands, never step again
         self._stats_time = 0.0
 
@@ -99,19 +102,37 @@ class EngineCore:
             logger.warning("the server went away; the engine process stops")
 
     def _apply_commands(self) -> bool:
-        """Apply the waiting commands (wait for the first if none is); False on STOP."""
+        """Apply the waiting commands (wait for the first if none is), and when they wake an
+        idle engine, those that follow within its burst window; False on STOP."""
+        idle = not self.engine.has_unfinished
         while True:
-            message = self.conn.recv()
-            if message[0] == STOP:
+            if not self._apply(self.conn.recv()):
                 return False
-            if message[0] == ADD:
-                self._add(*message[1:])
-            elif message[0] == ABORT:
-                self.engine.abort(message[1])
             if not self.conn.poll():
-                if not self.engine.has_unfinished:
-                    self.conn.send((OUTPUTS, [], self._stats(force=True)))
-                return True
+                break
+        if idle and self.engine.has_unfinished:
+            for message in self.burst.gather(self._receive, self._full):
+                if not self._apply(message):
+                    return False
+        if not self.engine.has_unfinished:
+            self.conn.send((OUTPUTS, [], self._stats(force=True)))
+        return True
+
+    def _apply(self, message: tuple) -> bool:
+        """Apply one command; False on STOP."""
+        if message[0] == STOP:
+            return False
+        if message[0] == ADD:
+            self._add(*message[1:])
+        elif message[0] == ABORT:
+            self.engine.abort(message[1])
+        return True
+
+    def _receive(self, timeout: float) -> tuple | None:
+        return self.conn.recv() if self.conn.poll(timeout) else None
+
+    def _full(self) -> bool:
+        return len(self.engine.requests) >= self.engine.runner.limits.max_num_seqs
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         if self.dead:

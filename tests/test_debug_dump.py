@@ -223,6 +223,29 @@ def test_inductor_builds_dump_their_code_and_say_why_the_cache_missed(tmp_path):
 
 
 @pytest.mark.slow
+def test_cpu_builds_are_keyed_by_the_thread_count_inductor_generates_for(tmp_path):
+    """Inductor builds for one thread without OpenMP: a one-thread build loaded by a
+    two-thread process would run its kernels on one core. The two-thread process builds anew,
+    saying why, with parallel loops."""
+    cache = tmp_path / "cache"
+    code = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        compile_counters.reset()
+        torch._dynamo.reset()
+        directory = tmp_path / f"threads-{threads}"
+        dumped_runner(directory, "piecewise", piece_compiler="inductor", cache_dir=str(cache))
+        builds = [e["data"] for e in events(directory) if e["stage"] == "build"]
+        assert {b["outcome"] for b in builds} == {"built"}
+        (key,) = [e["data"] for e in events(directory) if e["name"] == "cache-key"]
+        assert key["factors"]["cpu_threads"] == threads
+        code[threads] = "".join(p.read_text() for p in
+                                directory.glob("compile-000/*-build-submod_*-general.py"))
+    assert "cpu_threads: 1 -> 2" in key["key_change"]
+    assert "omp parallel" not in code[1] and "omp parallel" in code[2]
+
+
+@pytest.mark.slow
 def test_tlparse_shows_kvgraphs_stages_beside_dynamos(tmp_path):
     beside = Path(sys.executable).parent / "tlparse"  # a venv's, whether or not it is on PATH
     tlparse = str(beside) if beside.exists() else shutil.which("tlparse")

@@ -73,6 +73,21 @@ def _device_of(values: list[Any]) -> torch.device:
     return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
 
 
+def inductor_cpu_threads() -> int | str:
+    """The thread count inductor's C++ kernels are generated for ("dynamic": read at run time).
+
+    Inductor decides at build time which loops run in parallel, for this many threads, and
+    builds for one thread without OpenMP at all: a piece built in a one-thread process runs
+    on one core in any other, so the compile cache keys CPU builds by it.
+    """
+    from torch._inductor import config as inductor_config  # loaded by compiling anyway
+
+    cpp = inductor_config.cpp
+    if cpp.dynamic_threads:
+        return "dynamic"
+    return cpp.threads if cpp.threads >= 1 else torch.get_num_threads()
+
+
 def _traced_source_files() -> list[str]:
     context = torch._guards.TracingContext.try_get()
     if context is None:
@@ -272,10 +287,12 @@ class KVGraphBackend:
         tp = tensor_parallel_group()
         # Ranks build the same artifacts (shard shapes are in each piece's fingerprint, the
         # group is a name in the graph), so ranks share them; TP sizes never do.
-        factors = {"torch": torch.__version__, "kvgraph": __version__,
-                   "device": _device_of(_example_values(gm)).type,
+        device = _device_of(_example_values(gm)).type
+        factors = {"torch": torch.__version__, "kvgraph": __version__, "device": device,
                    "passes": self.pass_manager.uuid(), "settings": settings,
                    "tensor_parallel": {"world_size": tp.world_size, "backend": tp.backend}}
+        if device == "cpu":
+            factors["cpu_threads"] = inductor_cpu_threads()
         key = digest(*factors.values(), source_files_digest(sources))
         factors["source_files"] = source_file_digests(sources)
         cache = CompileCache.open(config.cache_dir, key, self.counters)

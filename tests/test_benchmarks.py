@@ -4,6 +4,7 @@ computes what the example Llama computes."""
 import importlib.util
 import json
 
+import pytest
 import torch
 
 import kvgraph
@@ -79,3 +80,18 @@ def test_attention_kernels_smoke(tmp_path):
         for name in payload["backends"]:
             assert row["max_abs_diff"][name] < 1e-4, (row["case"], name)
             assert row["ms"][name] > 0
+
+
+@pytest.mark.slow
+def test_inductor_threads_compares_serial_and_parallel_builds(tmp_path, compile_cache_dir):
+    from examples.benchmarks import inductor_threads
+
+    payload = inductor_threads.main([
+        "--preset", "tiny", "--dtypes", "float32", "--prefill", "2", "8", "--rounds", "2",
+        "--steps", "2", "--max-model-len", "64", "--compile-cache-dir", compile_cache_dir,
+        "--json", str(tmp_path / "threads.json")])
+    (row,) = payload["results"]
+    assert set(row["medians"]) == {"serial", "parallel"}
+    assert set(row["ratio"]) == {"prefill_tok_s", "decode_b1_ms", "decode_b2_ms"}
+    assert all(v > 0 for kind in row["medians"].values() for v in kind.values())
+    assert payload["args"]["threads"] == 2 and len(row["samples"]["serial"]) == 2

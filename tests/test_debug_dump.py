@@ -243,8 +243,7 @@ def test_cpu_builds_are_keyed_by_the_thread_count_inductor_generates_for(tmp_pat
                                 directory.glob("compile-000/*-build-submod_*-general.py"))
     assert "cpu_threads: 1 -> 2" in key["key_change"]
     assert "omp parallel" not in code[1]
-    # torch 2.11 leaves the tiny model's loops serial at two threads too (its size hint for a
-    # token count it cannot know is smaller); 2.13 on runs them in parallel.
+    # torch 2.11 leaves the tiny model's loops serial at two threads too; 2.13 parallelises them.
     if torch.torch_version.TorchVersion(torch.__version__) >= (2, 13):
         assert "omp parallel" in code[2]
 

@@ -105,7 +105,7 @@ class AsyncEngine:
         except queue.Empty:
             pass
         if idle and self.engine.has_unfinished:
-            for command in self.burst.gather(self._receive, self._full):
+            for command in self.burst.gather(self._receive, lambda: self.engine.is_full):
                 if command is _STOP:
                     return False
                 command()
@@ -117,9 +117,6 @@ class AsyncEngine:
         except queue.Empty:
             return None
         return _STOP if command is None else command
-
-    def _full(self) -> bool:
-        return len(self.engine.requests) >= self.engine.runner.limits.max_num_seqs
 
     def _add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
              loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:

@@ -100,6 +100,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def is_full(self) -> bool:
+        """Whether it holds as many requests as one step can run (`max_num_seqs`)."""
+        return len(self.requests) >= self.scheduler.max_num_seqs
+
     def step(self) -> list[RequestOutput]:
         """Run one batch through the model; one output per request that got a token or failed.
 

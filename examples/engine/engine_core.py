@@ -111,7 +111,7 @@ class EngineCore:
             if not self.conn.poll():
                 break
         if idle and self.engine.has_unfinished:
-            for message in self.burst.gather(self._receive, self._full):
+            for message in self.burst.gather(self._receive, lambda: self.engine.is_full):
                 if not self._apply(message):
                     return False
         if not self.engine.has_unfinished:
@@ -130,9 +130,6 @@ class EngineCore:
 
     def _receive(self, timeout: float) -> tuple | None:
         return self.conn.recv() if self.conn.poll(timeout) else None
-
-    def _full(self) -> bool:
-        return len(self.engine.requests) >= self.engine.runner.limits.max_num_seqs
 
     def _add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
         if self.dead:

@@ -133,6 +133,51 @@ def test_rope_compiles_to_one_graph_equal_to_eager(rope_type):
     assert counter.frame_count == 1
 
 
+def test_rope_angles_are_one_opaque_op_equal_to_float64_cos_and_sin():
+    """cos and sin come from `kvgraph_examples::rope_cos_sin`, which a traced graph keeps as
+    one call (so inductor stores them once, see the next test), equal to float64 cos and sin."""
+    rope = RopeParameters(rope_type="yarn", factor=4.0, max_position_embeddings=16,
+                          original_max_position_embeddings=16, attention_factor=1.2)
+    rotary, graphs = RotaryEmbedding(16, rope), []
+    torch._dynamo.reset()
+    compiled = torch.compile(rotary.cos_sin, fullgraph=True, dynamic=True,
+                             backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    positions = torch.tensor([0, 3, 40, 7, 100])
+    cos, sin = compiled(positions)
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op.startswith("call_")]
+    assert sum("rope_cos_sin" in call for call in calls) == 1
+    assert not [call for call in calls if "rope_cos_sin" not in call
+                and ("cos" in call or "sin" in call)], calls
+    angles = positions.double()[:, None] * rotary.inv_freq(positions).double()
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    torch.testing.assert_close(cos, (angles.cos() * 1.2).float(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(sin, (angles.sin() * 1.2).float(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_inductor_evaluates_cos_and_sin_once_for_every_layer_in_one_graph(tmp_path, monkeypatch):
+    """In one graph holding several layers (graph mode `full`), inductor would inline the angles
+    into every head's rotation of every layer; with the opaque op no kernel it writes calls cos
+    or sin."""
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    rotary = RotaryEmbedding(16, 10000.0)
+
+    def two_layers(positions, q1, k1, q2, k2):
+        angles = rotary.cos_sin(positions)
+        return rotary(angles, q1, k1) + rotary(angles, q2, k2)
+
+    tokens = 8
+    args = (torch.arange(tokens), *(torch.randn(tokens, heads, 16) for heads in (4, 2, 4, 2)))
+    torch._dynamo.reset()
+    got, code = run_and_get_code(torch.compile(two_layers, fullgraph=True), *args)
+    for g, w in zip(got, two_layers(*args)):
+        torch.testing.assert_close(g, w)
+    kernels = "\n".join(code)
+    assert "rope_cos_sin" in kernels
+    assert "std::cos" not in kernels and "std::sin" not in kernels, kernels
+
 def test_transformers_4_form_top_level_theta_and_rope_scaling(tmp_path, tokenizer_dir):
     save_hf(tmp_path, tokenizer_dir, transformers.LlamaConfig, transformers.LlamaForCausalLM,
             rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0})

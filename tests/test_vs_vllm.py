@@ -111,3 +111,39 @@ def test_turns_wait_until_the_other_engines_processes_stop_burning_a_core():
     finally:
         parent.kill()
         parent.wait()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc (Linux)")
+def test_the_engine_not_being_timed_is_stopped_for_the_turn_and_resumed_after_it():
+    import contextlib
+    import subprocess
+    import time
+
+    from examples.benchmarks.quiet import cpu_seconds, paused, process_tree
+    # A parent whose child spins: pausing the parent must stop the child too.
+    spin = "while True: pass"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; "
+                               f"subprocess.run([sys.executable, '-c', {spin!r}])"])
+    tree: set[int] = set()
+    try:
+        deadline = time.time() + 10
+        while len(process_tree([parent.pid])) < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        tree = process_tree([parent.pid])
+        assert len(tree) == 2
+
+        def used_in(seconds: float) -> float:
+            before = cpu_seconds(tree)
+            time.sleep(seconds)
+            return cpu_seconds(tree) - before
+
+        assert used_in(0.5) > 0.2  # spinning
+        with pytest.raises(RuntimeError), paused([parent.pid]):
+            assert used_in(0.5) < 0.05  # stopped, child included
+            raise RuntimeError("the timed turn failed")
+        assert used_in(0.5) > 0.2  # resumed although the turn raised
+    finally:
+        for pid in tree | process_tree([parent.pid]):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        parent.wait()

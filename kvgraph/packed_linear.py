@@ -121,13 +121,17 @@ def is_packed(weight: torch.Tensor) -> bool:
     return weight.layout == torch._mkldnn or is_tile_packed(weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """`F.linear`, for a plain or a packed weight (a packed one knows its `[out, in]` shape)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           small_batch: bool = False) -> torch.Tensor:
+    """`F.linear`, for a plain or a packed weight (a packed one knows its `[out, in]` shape);
+    `small_batch` (a module's, set by `use_small_batch_linear`) runs a plain one's batches of
+    few rows in kvgraph's small-batch kernel."""
     if is_tile_packed(weight):
         return torch.ops.kvgraph_cpu.bf16_linear(x, weight, bias)
     if weight.layout == torch._mkldnn:
         return torch.ops.kvgraph.packed_linear(x, weight, bias, weight.shape[0])
+    if small_batch:
+        return torch.ops.kvgraph_cpu.small_batch_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -299,21 +303,33 @@ def small_batch_dtypes() -> tuple[torch.dtype, ...]:
 
 def use_small_batch_linear(model: nn.Module) -> int:
     """Make every CPU `nn.Linear` of `model` (or a subclass keeping its forward) whose weight is
-    plain and of a `small_batch_dtypes()` dtype a `SmallBatchLinear`, in place; returns how
-    many. Weights are not touched, so this may come before or after loading them (and after
+    plain and of a `small_batch_dtypes()` dtype a `SmallBatchLinear`, and set `small_batch =
+    True` on each such module that reads its weight through `linear()` (`reads_packed_weight`),
+    in place; returns how many. Weights are not touched, so this may come before or after loading them (and after
     `pack_linear_weights`, which leaves these plain). None where the CPU kernels cannot be
     built (logged)."""
     dtypes = small_batch_dtypes()
+
+    def takes_kernel(module: nn.Module) -> bool:
+        weight = getattr(module, "weight", None)
+        return (isinstance(weight, torch.Tensor) and weight.layout == torch.strided
+                and weight.device.type == "cpu" and weight.dtype in dtypes
+                and not getattr(module, "keeps_plain_weight", False))
+
     linears = [(parent, name, child) for parent in list(model.modules())
                for name, child in list(parent.named_children())
                if isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward
-               and child.weight.device.type == "cpu" and child.weight.dtype in dtypes
-               and not getattr(child, "keeps_plain_weight", False)]
-    if not linears or not small_batch_kernel_loaded():
+               and takes_kernel(child)]
+    readers = [m for m in model.modules()
+               if getattr(m, "reads_packed_weight", False) and takes_kernel(m)]
+    if not (linears or readers) or not small_batch_kernel_loaded():
         return 0
     for parent, name, child in linears:
         setattr(parent, name, SmallBatchLinear(child))
+    for module in readers:  # they pass it to linear()
+        module.small_batch = True
+    weights = [c.weight for *_, c in linears] + [m.weight for m in readers]
     logger.info("kvgraph: %d linears (%s) run the small-batch kernel at up to %d rows",
-                len(linears), ", ".join(sorted({_dtype_name(c.weight.dtype) for *_, c in linears})),
+                len(weights), ", ".join(sorted({_dtype_name(w.dtype) for w in weights})),
                 small_batch_max_rows())
-    return len(linears)
+    return len(weights)

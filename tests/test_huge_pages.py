@@ -73,6 +73,31 @@ def test_moved_weights_keep_values_ties_and_grad_flags_in_one_aligned_mapping():
 
 
 @THP
+def test_attributes_a_loader_set_on_a_parameter_come_along():
+    model = TiedLM()
+    model.proj.weight.shard_dim = 0
+    use_huge_pages(model)
+    assert model.proj.weight.shard_dim == 0
+
+
+@THP
+def test_a_mapping_that_fails_moves_nothing_and_says_why(monkeypatch, caplog):
+    from kvgraph import huge_pages
+
+    def no_memory(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", no_memory)
+    model = TiedLM()
+    params = list(model.parameters())
+    with caplog.at_level("WARNING", logger="kvgraph.huge_pages"):
+        moved = use_huge_pages(model)
+    assert moved.parameters == 0 and "Cannot allocate memory" in moved.reason
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    assert "4 KiB pages" in caplog.text
+
+
+@THP
 def test_the_mapping_is_backed_by_huge_pages():
     model = nn.Linear(1024, 2048, bias=False)  # 8 MiB: whole 2 MiB pages
     use_huge_pages(model)

@@ -134,6 +134,36 @@ def test_only_plain_fp32_and_unpackable_bf16_linears_change_their_weights_the_sa
     assert use_small_batch_linear(model) == 0  # nothing left to change
 
 
+def test_a_module_reading_its_weight_through_linear_is_told_to_run_it():
+    """The tensor-parallel row-parallel linear reads its weight through `linear()`: it gets
+    `small_batch = True` (fp32 here) and the kernel runs its rows; an fp16 one keeps F.linear."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from examples.models.tensor_parallel import RowParallelLinear
+    from kvgraph.distributed import TensorParallelGroup
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.called = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.called.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    tp = TensorParallelGroup(None, 0, 1)
+    model = nn.ModuleDict({"fp32": RowParallelLinear(16, 8, bias=False, tp=tp),
+                           "fp16": RowParallelLinear(16, 8, tp=tp, dtype=torch.float16)})
+    assert use_small_batch_linear(model) == 1
+    assert model["fp32"].small_batch and not model["fp16"].small_batch
+    x = torch.randn(3, 16)
+    with torch.no_grad(), Ops() as ops:
+        got = model["fp32"](x)
+    assert "kvgraph_cpu.small_batch_linear.default" in ops.called
+    assert torch.equal(got, small_batch_linear(x, model["fp32"].weight))
+    torch.testing.assert_close(got, nn.functional.linear(x, model["fp32"].weight), **FP32)
+
+
 def _runner(model, mode, piece_compiler="eager", **config):
     config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler=piece_compiler,
                                        capture_sizes=CAPTURE_SIZES, check_graph_inputs=True,

@@ -24,13 +24,9 @@ kernels give the output's shape.
 
 A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
 
-fp32 weights stay plain (MKL's sgemm reads them as they are), but an fp32 `nn.Linear` becomes a
-`SmallBatchLinear`: batches of a decode step's few rows (`small_batch_max_rows()`: 16 with
-AVX-512, 48 with AVX2 only) run `kvgraph_cpu::small_batch_linear` (small_batch_linear.cpp among
-the CPU kernels), which reads the weight once per call where MKL copies it first; larger ones
-run `F.linear` as before. So
-do bf16 linears that oneDNN cannot pack, their larger batches widened to fp32 for MKL (torch's
-own bf16 matmul is several times slower there).
+fp32 weights stay plain (MKL's sgemm reads them as they are); their linears, and bf16 ones
+oneDNN cannot pack, run kvgraph's small-batch kernel at a decode step's few rows
+(`kvgraph.small_batch_linear`).
 """
 
 from __future__ import annotations
@@ -79,7 +75,7 @@ def _bf16_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE_OUTPUTS)
 
 
-def _linear_kernel_loaded(op: str, fake, fallback: str) -> bool:
+def linear_kernel_loaded(op: str, fake, fallback: str) -> bool:
     """Whether kvgraph's CPU kernels are loaded (built on first use), with `op`'s fake kernel
     registered; False, logged with what runs instead (`fallback`), where they cannot be built."""
     from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
@@ -97,7 +93,7 @@ def _linear_kernel_loaded(op: str, fake, fallback: str) -> bool:
 def bf16_tiles_usable() -> bool:
     """Whether bf16 weights pack into kvgraph's tile layout here: the CPU kernels build and the
     processor has AMX (Linux grants its tiles). False, logged once, otherwise."""
-    if not _linear_kernel_loaded("bf16_linear", _bf16_linear_fake,
+    if not linear_kernel_loaded("bf16_linear", _bf16_linear_fake,
                                  "bf16 linears run oneDNN's"):
         return False
     usable = torch.ops.kvgraph_cpu.bf16_linear_level() == 2
@@ -173,13 +169,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
         return (weight.view(out_features // TILE_OUTPUTS, TILE_OUTPUTS, in_features // 2, 2)
                 .permute(0, 2, 1, 3).contiguous())
     if not can_pack(weight.dtype):
-        raise ValueError(f"pack_weight: oneDNN cannot pack {_dtype_name(weight.dtype)} weights "
+        raise ValueError(f"pack_weight: oneDNN cannot pack {dtype_name(weight.dtype)} weights "
                          f"on this processor ({_cpu_capability()}: {ONEDNN_NEEDS}); leave "
                          f"them plain (torch's matmul runs them)")
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
@@ -207,48 +203,6 @@ class PackedLinear(nn.Module):
         layout = "bf16 tiles" if is_tile_packed(self.weight) else "oneDNN"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, packed ({layout})")
-
-
-def _small_batch_linear_fake(x: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-@functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
-def small_batch_kernel_loaded() -> bool:
-    """Whether `kvgraph_cpu::small_batch_linear` is loaded (the CPU kernels build on first use);
-    False, logged once, where they cannot be built."""
-    return _linear_kernel_loaded("small_batch_linear", _small_batch_linear_fake,
-                                 "fp32 linears run F.linear")
-
-
-def small_batch_max_rows() -> int:
-    """The most rows a small-batch call runs in kvgraph's kernel here (more go to `F.linear`):
-    where the measured gain ends for this build's vectors; 0 without the kernels, or where they
-    were built without AVX2 and FMA."""
-    if not small_batch_kernel_loaded():
-        return 0
-    return torch.ops.kvgraph_cpu.small_batch_linear_max_rows()
-
-
-class SmallBatchLinear(nn.Module):
-    """A CPU `nn.Linear` (fp32, or bf16 where oneDNN has no bf16 kernels; same weight, same
-    layout) whose batches of up to `small_batch_max_rows()` rows run kvgraph's small-batch
-    kernel (more rows: MKL, bf16 widened to fp32): the module `use_small_batch_linear` puts in
-    its place."""
-
-    def __init__(self, source: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = source.in_features, source.out_features
-        self.weight = source.weight
-        self.bias = source.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvgraph_cpu.small_batch_linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, small-batch kernel")
 
 
 def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES
@@ -288,48 +242,8 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK
     if unpackable:
         logger.warning("kvgraph: oneDNN cannot pack %s weights on this processor (%s: %s); they "
                        "stay plain (use_small_batch_linear gives bf16 ones kvgraph's kernel)",
-                       ", ".join(f"{n} {_dtype_name(d)}" for d, n in unpackable.items()),
+                       ", ".join(f"{n} {dtype_name(d)}" for d, n in unpackable.items()),
                        _cpu_capability(), ONEDNN_NEEDS)
     logger.info("kvgraph: packed %d linear weights (%s)", packed,
-                ", ".join(map(_dtype_name, dtypes)) or "no dtype")
+                ", ".join(map(dtype_name, dtypes)) or "no dtype")
     return packed
-
-
-def small_batch_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes whose plain linears run the small-batch kernel: fp32, and bf16 where oneDNN
-    cannot pack it (then torch's own bf16 matmul would run them, far slower)."""
-    return (torch.float32,) + (() if can_pack(torch.bfloat16) else (torch.bfloat16,))
-
-
-def use_small_batch_linear(model: nn.Module) -> int:
-    """Make every CPU `nn.Linear` of `model` (or a subclass keeping its forward) whose weight is
-    plain and of a `small_batch_dtypes()` dtype a `SmallBatchLinear`, and set `small_batch =
-    True` on each such module that reads its weight through `linear()` (`reads_packed_weight`),
-    in place; returns how many. Weights are not touched, so this may come before or after loading them (and after
-    `pack_linear_weights`, which leaves these plain). None where the CPU kernels cannot be
-    built (logged)."""
-    dtypes = small_batch_dtypes()
-
-    def takes_kernel(module: nn.Module) -> bool:
-        weight = getattr(module, "weight", None)
-        return (isinstance(weight, torch.Tensor) and weight.layout == torch.strided
-                and weight.device.type == "cpu" and weight.dtype in dtypes
-                and not getattr(module, "keeps_plain_weight", False))
-
-    linears = [(parent, name, child) for parent in list(model.modules())
-               for name, child in list(parent.named_children())
-               if isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward
-               and takes_kernel(child)]
-    readers = [m for m in model.modules()
-               if getattr(m, "reads_packed_weight", False) and takes_kernel(m)]
-    if not (linears or readers) or not small_batch_kernel_loaded():
-        return 0
-    for parent, name, child in linears:
-        setattr(parent, name, SmallBatchLinear(child))
-    for module in readers:  # they pass it to linear()
-        module.small_batch = True
-    weights = [c.weight for *_, c in linears] + [m.weight for m in readers]
-    logger.info("kvgraph: %d linears (%s) run the small-batch kernel at up to %d rows",
-                len(weights), ", ".join(sorted({_dtype_name(w.dtype) for w in weights})),
-                small_batch_max_rows())
-    return len(weights)

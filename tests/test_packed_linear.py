@@ -11,8 +11,9 @@ from torch import nn
 import kvgraph
 from kvgraph import packed_linear
 from kvgraph.compilation.counters import compile_counters
-from kvgraph.packed_linear import (PackedLinear, SmallBatchLinear, can_pack, is_packed, linear,
-                                   pack_linear_weights, pack_weight, small_batch_dtypes)
+from kvgraph.packed_linear import (PackedLinear, can_pack, is_packed, linear, pack_linear_weights,
+                                   pack_weight)
+from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_dtypes
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
 pytestmark = [pytest.mark.usefixtures("fresh_compile_state"),

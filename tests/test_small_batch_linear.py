@@ -10,8 +10,9 @@ from torch import nn
 
 import kvgraph
 from kvgraph import packed_linear
-from kvgraph.packed_linear import (SmallBatchLinear, small_batch_dtypes, small_batch_kernel_loaded,
-                                   use_small_batch_linear)
+from kvgraph.small_batch_linear import (SmallBatchLinear, small_batch_dtypes,
+                                        small_batch_kernel_loaded, small_batch_max_rows,
+                                        use_small_batch_linear)
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
 pytestmark = pytest.mark.skipif(not small_batch_kernel_loaded(),
@@ -81,7 +82,7 @@ def test_a_row_has_the_same_bits_in_any_batch(dtype):
 
 
 def test_batches_past_its_rows_run_f_linear_and_no_build_claims_more_than_measured():
-    max_rows = packed_linear.small_batch_max_rows()
+    max_rows = small_batch_max_rows()
     # AVX-512, AVX2 (what the README's measurements support), or built without AVX2 and FMA
     assert max_rows in (16, 48, 0)
     torch.manual_seed(0)

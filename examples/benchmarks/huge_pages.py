@@ -29,7 +29,7 @@ from examples.benchmarks.timing import machine, write_json
 from examples.engine import build_engine
 from examples.models import Llama
 from kvgraph.huge_pages import huge_page_tensors, thp_unavailable_reason
-from kvgraph.packed_linear import SmallBatchLinear, small_batch_kernel_loaded
+from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_kernel_loaded
 
 PREFILL_SEQS = 16
 SETTINGS = {"4k": False, "huge": True}  # name: --huge-pages

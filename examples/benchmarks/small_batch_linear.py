@@ -35,7 +35,7 @@ from examples.benchmarks.engine_worker import REPO
 from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import PRESETS, Llama
 from kvgraph.attention.backends.cpu import build
-from kvgraph.packed_linear import small_batch_kernel_loaded
+from kvgraph.small_batch_linear import small_batch_kernel_loaded
 
 KERNEL_SOURCE = Path(build.__file__).with_name("small_batch_linear.cpp")
 # Where --against's build registers its op: apart from the kernel being measured.

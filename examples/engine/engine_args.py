@@ -27,7 +27,8 @@ from torch import nn
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 from kvgraph.huge_pages import use_huge_pages
-from kvgraph.packed_linear import pack_linear_weights, use_small_batch_linear
+from kvgraph.packed_linear import pack_linear_weights
+from kvgraph.small_batch_linear import use_small_batch_linear
 
 from .engine import LLMEngine
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks

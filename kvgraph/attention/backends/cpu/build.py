@@ -38,8 +38,9 @@ from kvgraph.config import default_cache_dir
 
 logger = logging.getLogger(__name__)
 
-# The CPU platform's native kernels: paged attention, the linears kvgraph.packed_linear routes
-# fp32 (small batches) and tile-packed bf16 weights through, and the engine's thread binding.
+# The CPU platform's native kernels: paged attention, the linears kvgraph.small_batch_linear
+# (a decode step's rows) and kvgraph.packed_linear (tile-packed bf16 weights) route through,
+# and the engine's thread binding.
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),
            Path(__file__).with_name("small_batch_linear.cpp"),
            Path(__file__).with_name("bf16_linear.cpp"),

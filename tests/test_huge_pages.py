@@ -167,6 +167,34 @@ def test_a_moved_model_is_captured_and_replayed_with_the_plain_models_tokens(mod
 
 
 @THP
+@pytest.mark.slow  # inductor
+@pytest.mark.usefixtures("fresh_compile_state")
+def test_inductor_pieces_built_for_unmoved_weights_load_for_moved_ones(compile_cache_dir):
+    """Moved weights are views at other offsets of one mapping: the compile cache's keys and
+    inductor's code must not depend on that, or each layer would build anew."""
+    runs = []
+    for huge in (False, True):
+        compile_counters.reset()
+        torch._dynamo.reset()
+        model = make_model("llama", num_layers=4)  # layers 0-1, 1-2, 2-3: identical pieces
+        if huge:
+            use_huge_pages(model)
+        config = kvgraph.CompilationConfig(graph_mode="piecewise", piece_compiler="inductor",
+                                           compile_sizes=(4,), cache_dir=compile_cache_dir)
+        runner = kvgraph.ModelRunner(model, config, num_blocks=NUM_BLOCKS,
+                                     block_size=BLOCK_SIZE, max_num_tokens=32, max_num_seqs=8)
+        runner.capture()
+        runs.append((generate(runner, runner.vocab_size), compile_counters.snapshot()))
+        runner.close()
+    ((plain_logits, plain_tokens), plain), ((logits, tokens), moved) = runs
+    assert moved["unique_pieces"] == plain["unique_pieces"] < moved["pieces"]
+    assert moved["builds"] == 0 and moved["cache_hits"] > 0
+    assert tokens == plain_tokens
+    for got, want in zip(logits, plain_logits):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@THP
 @pytest.mark.parametrize("flags, huge", [([], True), (["--no-huge-pages"], False)])
 def test_the_engine_moves_cpu_weights_unless_told_not_to(flags, huge):
     from examples.engine import add_engine_args, build_engine

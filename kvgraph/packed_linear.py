@@ -94,7 +94,7 @@ def bf16_tiles_usable() -> bool:
     """Whether bf16 weights pack into kvgraph's tile layout here: the CPU kernels build and the
     processor has AMX (Linux grants its tiles). False, logged once, otherwise."""
     if not linear_kernel_loaded("bf16_linear", _bf16_linear_fake,
-                                 "bf16 linears run oneDNN's"):
+                                "bf16 linears run oneDNN's"):
         return False
     usable = torch.ops.kvgraph_cpu.bf16_linear_level() == 2
     if usable:

@@ -32,7 +32,7 @@ def small_batch_kernel_loaded() -> bool:
     """Whether `kvgraph_cpu::small_batch_linear` is loaded (the CPU kernels build on first use);
     False, logged once, where they cannot be built."""
     return linear_kernel_loaded("small_batch_linear", _small_batch_linear_fake,
-                                 "fp32 linears run F.linear")
+                                "fp32 linears run F.linear")
 
 
 def small_batch_max_rows() -> int:
@@ -74,9 +74,9 @@ def use_small_batch_linear(model: nn.Module) -> int:
     """Make every CPU `nn.Linear` of `model` (or a subclass keeping its forward) whose weight is
     plain and of a `small_batch_dtypes()` dtype a `SmallBatchLinear`, and set `small_batch =
     True` on each such module that reads its weight through `linear()` (`reads_packed_weight`),
-    in place; returns how many. Weights are not touched, so this may come before or after loading them (and after
-    `pack_linear_weights`, which leaves these plain). None where the CPU kernels cannot be
-    built (logged)."""
+    in place; returns how many. Weights are not touched, so this may come before or after
+    loading them (and after `pack_linear_weights`, which leaves these plain). None where the
+    CPU kernels cannot be built (logged)."""
     dtypes = small_batch_dtypes()
 
     def takes_kernel(module: nn.Module) -> bool:

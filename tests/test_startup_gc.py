@@ -46,3 +46,19 @@ def test_the_benchmark_times_both(tmp_path):
     (row,) = payload["results"]
     assert payload["frozen_objects"] > 0 and set(row["ms"]) == {"frozen", "unfrozen"}
     assert all(ms > 0 for ms in row["ms"].values()) and (tmp_path / "gc.json").exists()
+
+
+def test_the_server_process_freezes_its_own_start_up_objects_before_serving(monkeypatch):
+    """With the engine in a process of its own, the server's process (torch, the tokenizer,
+    the app) froze nothing: a full collection there held requests back from the engine."""
+    from types import SimpleNamespace
+
+    import examples.serve as serve
+
+    frozen_at_run = []
+    monkeypatch.setattr(serve.uvicorn.Server, "run",
+                        lambda server: frozen_at_run.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    engine = SimpleNamespace(tokenizer=None, on_fatal=None, fatal_error=None)
+    assert serve.serve(engine, serve.parse_args(["--model", "llama", "--preset", "tiny"])) is None
+    assert frozen_at_run and frozen_at_run[0] > 0

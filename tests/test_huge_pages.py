@@ -222,6 +222,6 @@ def test_the_benchmark_times_both_kinds_of_page(tmp_path):
     for table in (payload["reading_ms"], payload["engine_ms"]):
         assert set(table) == {"4k", "huge"} and table["4k"].keys() == table["huge"].keys()
         assert all(ms > 0 for row in table.values() for ms in row.values())
-    assert {"sum", "decode b=2", "prefill 16x64"} <= (payload["reading_ms"]["4k"].keys()
+    assert {"sum", "decode b=2 (ms)", "prefill 16x64 (ms)"} <= (payload["reading_ms"]["4k"].keys()
                                                       | payload["engine_ms"]["4k"].keys())
     assert payload["weights_mib"] > 0 and (tmp_path / "huge.json").exists()

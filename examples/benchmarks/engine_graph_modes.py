@@ -13,21 +13,15 @@ time relative to eager, writes JSON. The issue's bar: every graph mode at least 
 
 from __future__ import annotations
 
-import random
-import statistics
 import time
 from typing import Any
 
 import torch
 
 from examples.benchmarks.timing import machine, write_json
-from examples.benchmarks.engine_steps import (
-    PROMPT_LEN, decode_step_ms, engine_parser, generate_s, random_prompts,
-)
+from examples.benchmarks.engine_steps import alternating_step_ms, engine_parser
 from examples.engine import build_engine
 from examples.models import Llama
-
-PREFILL_SEQS = 16
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -40,23 +34,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for mode in args.modes:
         args.graph_mode = mode
         engines[mode] = build_engine(args, {"llama": Llama})[0]
-    rng = random.Random(0)
-    vocab = engines[args.modes[0]].runner.model.config.vocab_size
-    decode = {b: random_prompts(rng, vocab, b) for b in args.batch_sizes}
-    prefill = random_prompts(rng, vocab, PREFILL_SEQS)
-    for engine in engines.values():
-        generate_s(engine, decode[max(args.batch_sizes)], 2)  # warm-up
-    samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in args.modes}
-    for round_index in range(args.rounds):
-        for mode in args.modes if round_index % 2 == 0 else args.modes[::-1]:
-            engine, row = engines[mode], samples[mode]
-            for batch, batch_prompts in decode.items():
-                row.setdefault(f"decode b={batch} (ms)", []).append(
-                    decode_step_ms(engine, batch_prompts, args.decode_base, args.decode_steps))
-            row.setdefault(f"prefill {PREFILL_SEQS}x{PROMPT_LEN} (ms)", []).append(
-                1e3 * generate_s(engine, prefill, 1))
-    medians = {mode: {what: statistics.median(s) for what, s in row.items()}
-               for mode, row in samples.items()}
+    medians = alternating_step_ms(engines, args)
     base = "eager" if "eager" in medians else args.modes[0]
     payload = {"machine": machine(torch.device("cpu")), "date": time.strftime("%Y-%m-%d"),
                "args": vars(args), "ms": medians,

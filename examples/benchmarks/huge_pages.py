@@ -14,7 +14,6 @@ through `generate` as served. Prints medians and huge / 4 KiB, writes JSON.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from typing import Any, Callable
@@ -22,16 +21,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from examples.benchmarks.engine_steps import (
-    PROMPT_LEN, decode_step_ms, engine_parser, generate_s, random_prompts,
-)
+from examples.benchmarks.engine_steps import alternating_step_ms, engine_parser
 from examples.benchmarks.timing import machine, write_json
 from examples.engine import build_engine
 from examples.models import Llama
 from kvgraph.huge_pages import huge_page_tensors, thp_unavailable_reason
 from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_kernel_loaded
 
-PREFILL_SEQS = 16
 SETTINGS = {"4k": False, "huge": True}  # name: --huge-pages
 
 
@@ -61,35 +57,19 @@ def reading_ms(weights: list[torch.Tensor], rounds: int) -> dict[str, dict[str, 
     return {name: {way: statistics.median(samples[name, way]) for way in ways} for name in copies}
 
 
-def engine_ms(args, rounds: int
-              ) -> tuple[list[torch.Tensor], dict[str, dict[str, float]]]:
+def engine_ms(args) -> tuple[list[torch.Tensor], dict[str, dict[str, float]]]:
     """Median ms of the engine's steps without and with huge pages (see the docstring), and
     the model's plain linear weights."""
     engines = {}
     for name, huge in SETTINGS.items():
         args.huge_pages = huge
         engines[name] = build_engine(args, {"llama": Llama})[0]
-    rng = random.Random(0)
-    vocab = engines["4k"].runner.model.config.vocab_size
-    decode = {b: random_prompts(rng, vocab, b) for b in args.batch_sizes}
-    prefill = random_prompts(rng, vocab, PREFILL_SEQS)
-    for engine in engines.values():
-        generate_s(engine, decode[max(args.batch_sizes)], 2)  # warm-up
-    samples: dict[str, dict[str, list[float]]] = {name: {} for name in engines}
-    for round_index in range(rounds):
-        for name in engines if round_index % 2 == 0 else list(engines)[::-1]:
-            engine, row = engines[name], samples[name]
-            for batch, prompts in decode.items():
-                row.setdefault(f"decode b={batch}", []).append(
-                    decode_step_ms(engine, prompts, args.decode_base, args.decode_steps))
-            row.setdefault(f"prefill {PREFILL_SEQS}x{PROMPT_LEN}", []).append(
-                1e3 * generate_s(engine, prefill, 1))
+    steps = alternating_step_ms(engines, args)
     weights = [m.weight.detach() for m in engines["4k"].runner.model.modules()
                if isinstance(m, (nn.Linear, SmallBatchLinear)) and m.weight.layout == torch.strided]
     for engine in engines.values():
         engine.runner.close()
-    return weights, {name: {what: statistics.median(s) for what, s in row.items()}
-                     for name, row in samples.items()}
+    return weights, steps
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -100,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"no transparent huge pages here: {reason}")
     args.threads = args.threads or 1
     args.enable_prefix_caching = False  # the rounds repeat their prompts: compute them each time
-    weights, steps = engine_ms(args, args.rounds)
+    weights, steps = engine_ms(args)
     torch.set_num_threads(args.threads)
     reads = reading_ms(weights, args.rounds)
     mib = sum(w.numel() * w.element_size() for w in weights) / 2**20

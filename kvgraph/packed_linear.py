@@ -5,12 +5,13 @@ reorders it into its blocked layout (the one AMX and AVX-512 kernels read) on ev
 of the whole weight per matmul per step. `pack_linear_weights(model)` packs each weight once, at
 load:
 
-- bf16, where the processor has AMX (and the weight is [16 n, 32 k]): kvgraph's own layout, a
-  plain bf16 tensor `[out / 16, in / 2, 16, 2]` read by `kvgraph_cpu::bf16_linear`
-  (bf16_linear.cpp among the CPU kernels: AMX tiles, and AVX512-BF16 dot products for up to
-  four rows). torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode
-  step of dozens of small matmuls feels (README, "bf16 linears").
-- otherwise (fp16; bf16 without AMX): oneDNN's blocked layout, an opaque tensor
+- bf16, where the processor has AVX512-BF16 (and the weight is [16 n, 32 k]): kvgraph's own
+  layout, a plain bf16 tensor `[out / 16, in / 2, 16, 2]` read by `kvgraph_cpu::bf16_linear`
+  (bf16_linear.cpp among the CPU kernels: AVX512-BF16 dot products for a decode step's few rows,
+  AMX tiles for more where the processor has AMX, dot products for every batch where it has
+  not). torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode step of
+  dozens of small matmuls feels (README, "bf16 linears").
+- otherwise (fp16; bf16 without AVX512-BF16): oneDNN's blocked layout, an opaque tensor
   (`layout=torch._mkldnn`) run by `kvgraph::packed_linear` through mkldnn's linear, where
   oneDNN has kernels for the dtype on this processor (`can_pack(dtype)`; on x86 bf16 wants
   AVX-512 or AVX-NE-CONVERT: an AVX2-only CPU such as AMD Zen 3 has neither). Elsewhere the
@@ -92,18 +93,23 @@ def linear_kernel_loaded(op: str, fake, fallback: str) -> bool:
 @functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
 def bf16_tiles_usable() -> bool:
     """Whether bf16 weights pack into kvgraph's tile layout here: the CPU kernels build and the
-    processor has AMX (Linux grants its tiles). False, logged once, otherwise."""
+    processor has AVX512-BF16 (then AMX too where Linux grants its tiles). False, logged once,
+    otherwise."""
     if not linear_kernel_loaded("bf16_linear", _bf16_linear_fake,
                                 "bf16 linears run oneDNN's"):
         return False
-    usable = torch.ops.kvgraph_cpu.bf16_linear_level() == 2
-    if usable:
-        logger.info("kvgraph: bf16 linears run kvgraph's AMX kernel")
+    level = torch.ops.kvgraph_cpu.bf16_linear_level()
+    if level == 2:
+        logger.info("kvgraph: bf16 linears run kvgraph's kernel (AVX512-BF16 and AMX)")
+    elif level == 1:
+        # Measured on a Zen 4 (README, "bf16 linears"): ahead of oneDNN's packed linear up to
+        # 16 rows, 3-5% behind it at prefill sizes, where both are bound by the same dot products.
+        logger.info("kvgraph: bf16 linears run kvgraph's AVX512-BF16 kernel (no AMX here)")
     elif can_pack(torch.bfloat16):
-        logger.info("kvgraph: bf16 linears run oneDNN's (this processor has no AMX)")
+        logger.info("kvgraph: bf16 linears run oneDNN's (this processor has no AVX512-BF16)")
     else:  # packing says why; use_small_batch_linear says what runs them instead
-        logger.info("kvgraph: this processor has neither AMX nor oneDNN's bf16 kernels")
-    return usable
+        logger.info("kvgraph: this processor has neither AVX512-BF16 nor oneDNN's bf16 kernels")
+    return level > 0
 
 
 def is_tile_packed(weight: torch.Tensor) -> bool:
@@ -132,7 +138,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def tile_packable(weight: torch.Tensor) -> bool:
-    """Whether `weight` can take the bf16 tile layout here (bf16, [16 n, 32 k], AMX)."""
+    """Whether `weight` can take the bf16 tile layout here (bf16, [16 n, 32 k], AVX512-BF16)."""
     out_features, in_features = weight.shape
     return (weight.dtype == torch.bfloat16 and out_features % TILE_OUTPUTS == 0
             and in_features % TILE_DEPTH == 0 and bf16_tiles_usable())

@@ -1,18 +1,19 @@
 """kvgraph's bf16 tile kernel (`kvgraph_cpu::bf16_linear`, bf16_linear.cpp) and the tile layout
-`pack_weight` gives bf16 weights where the processor has AMX: the float64 product for every
-path (dot products up to 4 rows, one AMX row tile up to 16, 32-row blocks past it, chunks past
-256), bias, strided and 3-D inputs, the layout itself, clear errors, and which weights take it."""
+`pack_weight` gives bf16 weights where the processor has AVX512-BF16: the float64 product for
+every path (dot products up to 4 rows, one AMX row tile up to 16, 32-row blocks past it, chunks
+past 256; without AMX dot products for all, 16 rows a pass), bias, strided and 3-D inputs, the
+layout itself, clear errors, and which weights take it."""
 
 import pytest
 import torch
 from torch import nn
 
-from kvgraph.packed_linear import (PackedLinear, bf16_tiles_usable, is_packed, is_tile_packed,
-                                   linear, pack_linear_weights, pack_weight)
+from kvgraph.packed_linear import (PackedLinear, bf16_tiles_usable, can_pack, is_packed,
+                                   is_tile_packed, linear, pack_linear_weights, pack_weight)
 from tests.scenario import make_model
 
-pytestmark = pytest.mark.skipif(not bf16_tiles_usable(),
-                                reason="no AMX here, or kvgraph's CPU kernels cannot be built")
+pytestmark = pytest.mark.skipif(
+    not bf16_tiles_usable(), reason="no AVX512-BF16 here, or kvgraph's CPU kernels cannot be built")
 
 ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 32, 33, 100, 300]
 
@@ -88,6 +89,8 @@ def test_only_bf16_weights_of_whole_tiles_take_the_layout():
                                                      (torch.bfloat16, 40, 64, False),
                                                      (torch.bfloat16, 48, 40, False),
                                                      (torch.float16, 48, 64, False)]:
+        if not can_pack(dtype):  # fp16 wants AVX-512-FP16, which a Zen 4 has not
+            continue
         plain = nn.Linear(in_features, out_features, dtype=dtype)
         module = PackedLinear(plain)
         assert is_packed(module.weight) and is_tile_packed(module.weight) == tiles

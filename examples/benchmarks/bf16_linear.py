@@ -3,10 +3,10 @@
 Every linear weight of a Llama preset (bf16; the small one's are ~49 MiB, more than this VM's
 caches keep, so a pass reads them from memory, as a decode step does), multiplied by `rows`
 input rows: once through `kvgraph::packed_linear` over oneDNN-packed weights (torch's mkldnn
-linear: what kvgraph ran before, and still runs without AMX) and once through
+linear: what kvgraph ran before, and still runs without AVX512-BF16) and once through
 `kvgraph_cpu::bf16_linear` over the same weights in kvgraph's tile layout, in alternating order
 per round; one compute thread. Prints the median ms per pass and the ratio, writes JSON. Rows
-1-4 run AVX512-BF16 dot products, more run AMX tiles.
+1-4 run AVX512-BF16 dot products, more run AMX tiles (dot products where there is no AMX).
 
     python -m examples.benchmarks.bf16_linear [--preset small] [--rows 1 4 16 64 1024]
 """
@@ -62,8 +62,8 @@ def measure(rows: int, weights: dict[str, list[torch.Tensor]], rounds: int) -> d
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if not bf16_tiles_usable():
-        raise SystemExit("kvgraph's bf16 tile kernel does not run here (no AMX, or the CPU "
-                         "kernels cannot be built: see the log)")
+        raise SystemExit("kvgraph's bf16 tile kernel does not run here (no AVX512-BF16, or the "
+                         "CPU kernels cannot be built: see the log)")
     torch.set_num_threads(args.threads)
     plain = [w.to(torch.bfloat16) for w in model_weights(args.preset)]
     weights = {"plain": plain, "bf16_tiles": [pack_weight(w) for w in plain],

@@ -15,7 +15,8 @@
 // Up to DOT_ROWS rows: AVX512-BF16 dot products; each pass streams four column blocks (64
 // outputs) once and applies them to every row, 64 pairs of inputs at a time, in registers.
 // Up to 16 rows: one AMX tile of rows against the same four column blocks, weights prefetched.
-// More rows (prefill): 32x32 output blocks in four AMX accumulator tiles.
+// More rows (prefill): 32x32 output blocks in four AMX accumulator tiles. Without AMX (a Zen 4,
+// or Linux refusing the tiles) every batch takes the dot products, 16 rows a pass.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

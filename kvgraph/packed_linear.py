@@ -25,15 +25,17 @@ kernels give the output's shape.
 
 A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
 
-fp32 weights stay plain (MKL's sgemm reads them as they are); their linears, and bf16 ones
-oneDNN cannot pack, run kvgraph's small-batch kernel at a decode step's few rows
-(`kvgraph.small_batch_linear`).
+fp32 weights stay plain (MKL's sgemm reads them as they are), except on AMD processors with
+AVX-512, where oneDNN's packed fp32 linear measured fastest (`packed_dtypes`); plain fp32
+linears, and bf16 ones oneDNN cannot pack, run kvgraph's small-batch kernel at a decode step's
+few rows (`kvgraph.small_batch_linear`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -41,9 +43,11 @@ from torch.nn import functional as F
 
 logger = logging.getLogger(__name__)
 
-# The dtypes packed by default: those whose plain matmul repacks the weight on every call.
-# fp32 matmuls go to MKL's sgemm, which reads the plain weight as it is (see the README).
+# The dtypes packed everywhere by default: those whose plain matmul repacks the weight on every
+# call. fp32 matmuls go to MKL's sgemm, which reads the plain weight as it is (see the README),
+# and are packed only where oneDNN's are faster (`packed_dtypes`).
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+CPUINFO = Path("/proc/cpuinfo")
 # Rows oneDNN is told to expect when it chooses the packed layout: decode batches are small,
 # and a layout chosen for them also serves prefill (measured: README, "Packed weights").
 PACKING_BATCH_HINT = 16
@@ -211,10 +215,39 @@ class PackedLinear(nn.Module):
                 f"bias={self.bias is not None}, packed ({layout})")
 
 
-def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES
-                        ) -> int:
-    """Pack the weight of every CPU linear of `model` whose dtype is in `dtypes`, in place;
-    returns how many were packed.
+def cpu_vendor(cpuinfo: Path | None = None) -> str:
+    """The processor's vendor as Linux names it ("GenuineIntel", "AuthenticAMD"), or "" where
+    /proc/cpuinfo (or `cpuinfo`) does not say."""
+    try:
+        text = (cpuinfo or CPUINFO).read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+@functools.cache
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes `pack_linear_weights` packs by default here: bf16 and fp16 (their plain matmul
+    repacks the weight on every call), and fp32 on an AMD processor with AVX-512. On a Zen 4
+    oneDNN's packed fp32 linear beat both MKL's sgemm and kvgraph's small-batch kernel at every
+    batch size (0.91x the kernel's time at 1 row, 0.52x at 16; 0.87x MKL's at 1024), where on an
+    Intel Xeon it lost to both at a decode step's rows (README, "Packed weights"): a rule from
+    the processors measured, not a law."""
+    amd_avx512 = (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+                  and cpu_vendor() == "AuthenticAMD" and can_pack(torch.float32))
+    if amd_avx512:
+        logger.info("kvgraph: fp32 linear weights are packed for oneDNN too (an AMD processor "
+                    "with AVX-512, where oneDNN's fp32 linear is the fastest measured)")
+    return PACKED_DTYPES + ((torch.float32,) if amd_avx512 else ())
+
+
+def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] | None = None) -> int:
+    """Pack the weight of every CPU linear of `model` whose dtype is in `dtypes` (by default
+    `packed_dtypes()`), in place; returns how many were packed.
 
     A plain `nn.Linear` (or a subclass keeping its forward) becomes a `PackedLinear`; a module
     of another class is packed only if it says it reads its weight through `linear()`
@@ -225,6 +258,7 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] = PACK
     if not can_pack():
         logger.info("kvgraph: this torch has no oneDNN; linear weights stay unpacked")
         return 0
+    dtypes = packed_dtypes() if dtypes is None else dtypes
     packed, unpackable = 0, {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

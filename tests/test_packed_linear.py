@@ -11,8 +11,8 @@ from torch import nn
 import kvgraph
 from kvgraph import packed_linear
 from kvgraph.compilation.counters import compile_counters
-from kvgraph.packed_linear import (PackedLinear, can_pack, is_packed, linear, pack_linear_weights,
-                                   pack_weight)
+from kvgraph.packed_linear import (PackedLinear, can_pack, cpu_vendor, is_packed, linear,
+                                   pack_linear_weights, pack_weight, packed_dtypes)
 from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_dtypes
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
@@ -29,6 +29,8 @@ def onednn_packs(dtype: torch.dtype):
 
 
 PACKS_BF16 = onednn_packs(torch.bfloat16)
+# Whether fp32 weights are packed by default here (AMD with AVX-512: `packed_dtypes`).
+PACKS_FP32 = torch.float32 in packed_dtypes()
 
 
 def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
@@ -75,9 +77,9 @@ def test_only_the_asked_dtypes_and_plain_linears_are_packed():
     x = torch.randn(3, 4, dtype=torch.bfloat16)
     with torch.no_grad():
         want = {name: model[name](x) for name in ("plain", "own", "reads")}
-        assert pack_linear_weights(model) == 2
+        assert pack_linear_weights(model) == 2 + PACKS_FP32
         assert isinstance(model["plain"], PackedLinear) and is_packed(model["reads"].weight)
-        assert not is_packed(model["fp32"].weight) and not is_packed(model["own"].weight)
+        assert is_packed(model["fp32"].weight) == PACKS_FP32 and not is_packed(model["own"].weight)
         assert not is_packed(model["embed"].weight)
         for name, value in want.items():
             torch.testing.assert_close(model[name](x), value, **BF16)
@@ -103,6 +105,22 @@ def _bf16_model(kind: str, packed: bool, num_layers: int | None = None) -> nn.Mo
         plain = [m for m in model.modules() if getattr(m, "keeps_plain_weight", False)]
         assert pack_linear_weights(model) == len(_linear_weights(model)) - len(plain) > 0
     return model
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_packed_fp32_models_run_in_graphs_as_plain_ones_do(mode):
+    """fp32 weights packed for oneDNN (the default on AMD processors with AVX-512), captured and
+    replayed: the plain model's tokens, its logits to fp32's rounding."""
+    plain = _runner(make_model("llama"), "eager")
+    want_logits, want_tokens = generate(plain, plain.vocab_size)
+    model = make_model("llama")
+    assert pack_linear_weights(model, dtypes=(torch.float32,)) == len(_linear_weights(model))
+    runner = _runner(model, mode)
+    assert runner.capture()["graphs"] > 0
+    logits, tokens = generate(runner, runner.vocab_size)
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(logits, want_logits)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
 @PACKS_BF16
@@ -145,10 +163,10 @@ def test_identical_layers_still_compile_once_and_the_cache_loads(compile_cache_d
 
 @pytest.mark.parametrize("flags, dtype, packed", [
     ([], "bfloat16", can_pack(torch.bfloat16)), (["--no-pack-weights"], "bfloat16", False),
-    ([], "float32", False),
+    ([], "float32", PACKS_FP32),
     (["--no-pack-weights"], "float32", False)])
-def test_the_engine_packs_half_precision_weights_on_the_cpu_unless_told_not_to(flags, dtype,
-                                                                               packed):
+def test_the_engine_packs_the_processors_packed_dtypes_on_the_cpu_unless_told_not_to(flags, dtype,
+                                                                                    packed):
     import argparse
 
     from examples.engine import add_engine_args, build_engine
@@ -164,7 +182,7 @@ def test_the_engine_packs_half_precision_weights_on_the_cpu_unless_told_not_to(f
         # fp32 linears (and bf16 ones oneDNN cannot pack) keep their weights and run the
         # small-batch kernel, unless told not to.
         small = [m for m in engine.runner.model.modules() if isinstance(m, SmallBatchLinear)]
-        assert bool(small) == ("--no-pack-weights" not in flags
+        assert bool(small) == ("--no-pack-weights" not in flags and not packed
                                and getattr(torch, dtype) in small_batch_dtypes())
     finally:
         engine.runner.close()
@@ -201,3 +219,34 @@ def test_a_dtype_onednn_cannot_pack_stays_plain_and_says_so_once(monkeypatch, ca
     assert "torch's CPU capability" in warning and "AVX-512" in warning
     with pytest.raises(ValueError, match=r"oneDNN cannot pack bfloat16 weights on this processor"):
         pack_weight(model[0].weight)
+
+
+@pytest.mark.parametrize("vendor, capability, fp32", [
+    ("AuthenticAMD", "AVX512", True), ("AuthenticAMD", "AVX2", False),
+    ("GenuineIntel", "AVX512", False), ("", "AVX512", False)])
+def test_fp32_is_packed_by_default_on_amd_processors_with_avx512_only(
+        monkeypatch, tmp_path, vendor, capability, fp32):
+    """oneDNN's packed fp32 linear measured fastest at every batch size on a Zen 4 and slowest at
+    a decode step's rows on a Xeon (README, "Packed weights"): the default follows the vendor."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2\n"
+                       if vendor else "processor\t: 0\n")
+    assert cpu_vendor(cpuinfo) == vendor
+    monkeypatch.setattr(packed_linear, "CPUINFO", cpuinfo)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    packed_dtypes.cache_clear()
+    try:
+        assert (torch.float32 in packed_dtypes()) == fp32
+        assert {torch.bfloat16, torch.float16} <= set(packed_dtypes())
+        model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16))
+        x = torch.randn(5, 32)
+        with torch.no_grad():
+            want = model(x)
+            assert pack_linear_weights(model) == (2 if fp32 else 0)
+            torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+    finally:
+        packed_dtypes.cache_clear()
+
+
+def test_a_missing_cpuinfo_names_no_vendor(tmp_path):
+    assert cpu_vendor(tmp_path / "absent") == ""

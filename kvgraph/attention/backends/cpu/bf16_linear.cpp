@@ -130,7 +130,10 @@ void decode_matmul(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w,
   const int64_t pairs = K / 2, block_elems = pairs * 32;
   const int64_t num_blocks = (N + BLOCK - 1) / BLOCK;
   const int64_t passes = (num_blocks + PASS_BLOCKS - 1) / PASS_BLOCKS;
-  at::parallel_for(0, passes, 16, [&](int64_t begin, int64_t end) {
+  // A thread's share: 16 passes (1024 outputs) of one row, fewer as rows add work, so that
+  // without AMX a prefill's 512-output matmuls (8 passes) run on every thread too.
+  const int64_t grain = std::max<int64_t>(1, 16 / M);
+  at::parallel_for(0, passes, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[PASS_ROWS * 64];
     for (int64_t pass = begin; pass < end; ++pass) {
       const int64_t b0 = pass * PASS_BLOCKS;

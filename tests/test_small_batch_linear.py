@@ -235,6 +235,18 @@ def test_the_benchmark_times_both_kernels(tmp_path):
     assert (tmp_path / "sbl.json").exists()
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_the_benchmark_times_onednns_packed_linear_beside_them(tmp_path):
+    from examples.benchmarks import small_batch_linear as benchmark
+    payload = benchmark.main(["--preset", "tiny", "--rows", "2", "--rounds", "1", "--onednn",
+                              "--json", str(tmp_path / "sbl.json")])
+    (row,) = payload["results"]
+    assert row["ms"]["oneDNN"] > 0 and row["onednn_ratio"] > 0
+    w = torch.randn(48, 32)
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(benchmark.onednn_matmul([w])(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
 def test_the_benchmark_times_another_version_of_the_kernel_beside_it(tmp_path):
     from examples.benchmarks import small_batch_linear as benchmark
     # The shipped source under another op namespace: the same kernel, so the same results.

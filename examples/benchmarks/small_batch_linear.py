@@ -14,8 +14,12 @@ torch's own bf16 matmul, and past those rows the kernel widens to fp32 for MKL.
 rounds: an A/B of a kernel change on one machine at one moment, which on a shared VM is the only
 comparison that holds (rounds there swing by tens of percent from one minute to the next).
 
+`--onednn` also times oneDNN's linear over the same weights packed once for it
+(`kvgraph::packed_linear`), what the engine runs for fp32 where that was measured fastest
+(`kvgraph.packed_linear.packed_dtypes`).
+
     python -m examples.benchmarks.small_batch_linear [--preset small] [--rows 1 4 8 16 32] \
-        [--dtype float32] [--against HEAD~1]
+        [--dtype float32] [--against HEAD~1] [--onednn]
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from examples.benchmarks.engine_worker import REPO
 from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import PRESETS, Llama
 from kvgraph.attention.backends.cpu import build
+from kvgraph import packed_linear
+from kvgraph.packed_linear import PACKING_BATCH_HINT
 from kvgraph.small_batch_linear import small_batch_kernel_loaded
 
 KERNEL_SOURCE = Path(build.__file__).with_name("small_batch_linear.cpp")
@@ -51,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--against", metavar="REV_OR_FILE",
                         help="also time this version of small_batch_linear.cpp (A/B)")
+    parser.add_argument("--onednn", action="store_true",
+                        help="also time oneDNN's linear over weights packed for it")
     parser.add_argument("--json", default="small_batch_linear.json")
     return parser.parse_args(argv)
 
@@ -99,13 +107,22 @@ def pass_ms(matmul: Callable, inputs: dict[int, torch.Tensor], weights: list[tor
     return 1e3 * (time.perf_counter() - start)
 
 
+def onednn_matmul(weights: list[torch.Tensor]) -> Callable:
+    """oneDNN's linear over `weights` packed once for it (looked up by the plain weight)."""
+    packed = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, PACKING_BATCH_HINT)
+              for w in weights}
+    return lambda x, w: packed_linear.linear(x, packed[id(w)])
+
+
 def measure(rows: int, weights: list[torch.Tensor], rounds: int,
-            against: Callable | None = None) -> dict[str, Any]:
+            against: Callable | None = None, onednn: Callable | None = None) -> dict[str, Any]:
     inputs = {k: torch.randn(rows, k, dtype=weights[0].dtype) for k in {w.shape[1] for w in weights}}
     matmuls = {"F.linear": nn.functional.linear,
                "small_batch": lambda x, w: torch.ops.kvgraph_cpu.small_batch_linear(x, w, None)}
     if against is not None:
         matmuls["against"] = against
+    if onednn is not None:
+        matmuls["oneDNN"] = onednn
     kinds = tuple(matmuls)
     samples: dict[str, list[float]] = {kind: [] for kind in kinds}
     for kind in kinds:  # warm-up: first calls load and allocate
@@ -117,6 +134,8 @@ def measure(rows: int, weights: list[torch.Tensor], rounds: int,
     row = {"rows": rows, "ms": ms, "ratio": ms["small_batch"] / ms["F.linear"]}
     if against is not None:
         row["ratio_to_against"] = ms["small_batch"] / ms["against"]
+    if onednn is not None:
+        row["onednn_ratio"] = ms["oneDNN"] / ms["F.linear"]
     return row
 
 
@@ -133,17 +152,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{args.preset} Llama's {len(weights)} linear weights ({mib:.0f} MiB "
               f"{args.dtype}), {args.threads} thread(s), {args.rounds} interleaved rounds; "
               "median ms per pass")
+        onednn = onednn_matmul(weights) if args.onednn else None
         print(f"{'rows':>5}{'F.linear':>11}{'small_batch':>13}{'ratio':>8}"
-              + (f"{'against':>10}{'new/against':>13}" if against else ""))
+              + (f"{'against':>10}{'new/against':>13}" if against else "")
+              + (f"{'oneDNN':>9}{'ratio':>8}" if onednn else ""))
         payload = {"machine": machine(torch.device("cpu")), "args": vars(args),
                    "weights_mib": mib, "date": time.strftime("%Y-%m-%d"), "results": []}
         for rows in args.rows:
-            row = measure(rows, weights, args.rounds, against)
+            row = measure(rows, weights, args.rounds, against, onednn)
             payload["results"].append(row)
             line = (f"{rows:>5}{row['ms']['F.linear']:>11.2f}{row['ms']['small_batch']:>13.2f}"
                     f"{row['ratio']:>8.2f}")
             if against:
                 line += f"{row['ms']['against']:>10.2f}{row['ratio_to_against']:>13.2f}"
+            if onednn:
+                line += f"{row['ms']['oneDNN']:>9.2f}{row['onednn_ratio']:>8.2f}"
             print(line, flush=True)
     write_json(args.json, payload)
     print(f"wrote {args.json}")

@@ -107,7 +107,7 @@ def bf16_tiles_usable() -> bool:
         logger.info("kvgraph: bf16 linears run kvgraph's kernel (AVX512-BF16 and AMX)")
     elif level == 1:
         # Measured on a Zen 4 (README, "bf16 linears"): ahead of oneDNN's packed linear up to
-        # 16 rows, 3-5% behind it at prefill sizes, where both are bound by the same dot products.
+        # 16 rows, 2-6% behind it at prefill sizes, where both are bound by the same dot products.
         logger.info("kvgraph: bf16 linears run kvgraph's AVX512-BF16 kernel (no AMX here)")
     elif can_pack(torch.bfloat16):
         logger.info("kvgraph: bf16 linears run oneDNN's (this processor has no AVX512-BF16)")

@@ -73,10 +73,11 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--block-size", type=positive_int,
                        help="tokens per cache block (default: the device's, 16; 128 on an NPU)")
     group.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
-                       help="on the CPU, pack bf16/fp16 linear weights for oneDNN once at load, "
-                       "and run fp32 linears of a decode step's few rows (16 with AVX-512, 48 with "
-                       "AVX2) in kvgraph's small-batch kernel "
-                       "(kvgraph.packed_linear)")
+                       help="on the CPU, pack linear weights once at load: bf16 in kvgraph's "
+                       "tile layout where the processor has AVX512-BF16, else bf16/fp16 for "
+                       "oneDNN, and fp32 for oneDNN on AMD processors with AVX-512; other fp32 "
+                       "linears run a decode step's few rows (16 with AVX-512, 48 with AVX2) in "
+                       "kvgraph's small-batch kernel (kvgraph.packed_linear)")
     group.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                        help="on the CPU, move the weights into memory backed by transparent huge "
                        "pages once at load, where Linux gives them (kvgraph.huge_pages)")

@@ -1,6 +1,9 @@
 """Weights in 4 KiB pages against huge pages on the CPU: reading them, and the engine's steps.
 
-First the model's linear weights, copied once into ordinary memory and once into huge-page memory
+First the model's linear weights (plain `[out, in]` copies of whatever the engine packed them
+into: on AMD processors with AVX-512 its fp32 linears are oneDNN's, which stay where oneDNN put
+them, so there only the reading rounds say what huge pages would do for them), copied once
+into ordinary memory and once into huge-page memory
 (`kvgraph.huge_pages`), each read in alternating rounds: summed (a plain stream), and multiplied
 by 1 and 16 input rows with the small-batch kernel (a decode step's matmuls). Then two example
 engines in one process, `--no-huge-pages` and `--huge-pages` (same model and flags otherwise:
@@ -26,6 +29,7 @@ from examples.benchmarks.timing import machine, write_json
 from examples.engine import build_engine
 from examples.models import Llama
 from kvgraph.huge_pages import huge_page_tensors, thp_unavailable_reason
+from kvgraph.packed_linear import PackedLinear, is_tile_packed
 from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_kernel_loaded
 
 SETTINGS = {"4k": False, "huge": True}  # name: --huge-pages
@@ -57,16 +61,27 @@ def reading_ms(weights: list[torch.Tensor], rounds: int) -> dict[str, dict[str, 
     return {name: {way: statistics.median(samples[name, way]) for way in ways} for name in copies}
 
 
+def plain_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` as a plain `[out, in]` tensor: oneDNN's packed one densified, kvgraph's bf16 tile
+    layout `[out / 16, in / 2, 16, 2]` laid back."""
+    if weight.layout == torch._mkldnn:
+        return weight.to_dense()
+    if is_tile_packed(weight):
+        blocks, pairs, outputs, _ = weight.shape
+        return weight.permute(0, 2, 1, 3).reshape(blocks * outputs, pairs * 2)
+    return weight
+
+
 def engine_ms(args) -> tuple[list[torch.Tensor], dict[str, dict[str, float]]]:
     """Median ms of the engine's steps without and with huge pages (see the docstring), and
-    the model's plain linear weights."""
+    the model's linear weights as plain tensors."""
     engines = {}
     for name, huge in SETTINGS.items():
         args.huge_pages = huge
         engines[name] = build_engine(args, {"llama": Llama})[0]
     steps = alternating_step_ms(engines, args)
-    weights = [m.weight.detach() for m in engines["4k"].runner.model.modules()
-               if isinstance(m, (nn.Linear, SmallBatchLinear)) and m.weight.layout == torch.strided]
+    weights = [plain_weight(m.weight.detach()) for m in engines["4k"].runner.model.modules()
+               if isinstance(m, (nn.Linear, SmallBatchLinear, PackedLinear))]
     for engine in engines.values():
         engine.runner.close()
     return weights, steps

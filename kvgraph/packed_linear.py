@@ -128,13 +128,17 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_batch: bool = False) -> torch.Tensor:
+           small_batch: bool = False, onednn: bool | None = None) -> torch.Tensor:
     """`F.linear`, for a plain or a packed weight (a packed one knows its `[out, in]` shape);
     `small_batch` (a module's, set by `use_small_batch_linear`) runs a plain one's batches of
-    few rows in kvgraph's small-batch kernel."""
+    few rows in kvgraph's small-batch kernel. `onednn` says whether the weight is oneDNN's
+    packed one (a module's `onednn_packed`, set by `pack_linear_weights`); under a compiler it
+    must be given, because fake tensors do not keep oneDNN's layout (None: read the layout)."""
     if is_tile_packed(weight):
         return torch.ops.kvgraph_cpu.bf16_linear(x, weight, bias)
-    if weight.layout == torch._mkldnn:
+    if onednn is None:
+        onednn = weight.layout == torch._mkldnn
+    if onednn:
         return torch.ops.kvgraph.packed_linear(x, weight, bias, weight.shape[0])
     if small_batch:
         return torch.ops.kvgraph_cpu.small_batch_linear(x, weight, bias)
@@ -251,9 +255,10 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] | None
 
     A plain `nn.Linear` (or a subclass keeping its forward) becomes a `PackedLinear`; a module
     of another class is packed only if it says it reads its weight through `linear()`
-    (`reads_packed_weight = True`), and then keeps its class. A module whose weight the model
-    reads as a matrix says so with `keeps_plain_weight = True` and is left alone. Call after
-    loading weights: a packed weight no longer takes `load_state_dict`.
+    (`reads_packed_weight = True`), and then keeps its class and gets `onednn_packed`, which it
+    passes to `linear()`. A module whose weight the model reads as a matrix says so with
+    `keeps_plain_weight = True` and is left alone. Call after loading weights: a packed weight
+    no longer takes `load_state_dict`.
     """
     if not can_pack():
         logger.info("kvgraph: this torch has no oneDNN; linear weights stay unpacked")
@@ -276,6 +281,8 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] | None
                 continue
             if reads_packed:
                 child.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
+                # Traced code cannot tell (see `linear`): the module passes this on.
+                child.onednn_packed = child.weight.layout == torch._mkldnn
             else:
                 setattr(parent, name, PackedLinear(child))
             packed += 1

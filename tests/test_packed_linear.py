@@ -250,3 +250,40 @@ def test_fp32_is_packed_by_default_on_amd_processors_with_avx512_only(
 
 def test_a_missing_cpuinfo_names_no_vendor(tmp_path):
     assert cpu_vendor(tmp_path / "absent") == ""
+
+
+def test_a_module_reading_its_weight_through_linear_says_it_is_packed_for_compilers():
+    """A compiler traces with fake tensors, which do not keep oneDNN's layout: a module packed
+    for oneDNN carries `onednn_packed` and passes it to `linear()`, which then calls the packed
+    op on the fake weight too (reading the layout instead, it took F.linear: an mm over an
+    mkldnn tensor at run time, found in two-rank serving on a Zen 4)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ReadsPacked(nn.Module):
+        reads_packed_weight = True
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(48, 32))
+
+    module = ReadsPacked()
+    assert pack_linear_weights(nn.Sequential(module), dtypes=(torch.float32,)) == 1
+    assert module.onednn_packed and is_packed(module.weight)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode() as mode:
+        weight, x = mode.from_tensor(module.weight), torch.empty(3, 32)
+        assert weight.layout == torch.strided  # what a compiler sees
+        with Ops() as ops:
+            out = linear(x, weight, onednn=module.onednn_packed)
+    assert out.shape == (3, 48)
+    assert not any("mm" in name for name in ops.names), ops.names

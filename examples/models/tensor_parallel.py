@@ -175,10 +175,12 @@ class RowParallelLinear(ParallelLinear):
     dim = 1
 
     reads_packed_weight = True  # see kvgraph.packed_linear: its weight may be packed
+    onednn_packed = False  # pack_linear_weights sets it where it packs the weight for oneDNN
     small_batch = False  # use_small_batch_linear sets it where the CPU kernel takes the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(linear(x, self.weight, small_batch=self.small_batch), self.tp)
+        out = all_reduce(linear(x, self.weight, small_batch=self.small_batch,
+                                onednn=self.onednn_packed), self.tp)
         return out if self.bias is None else out + self.bias
 
 

@@ -282,7 +282,7 @@ def test_a_module_reading_its_weight_through_linear_says_it_is_packed_for_compil
 
     with FakeTensorMode() as mode:
         weight, x = mode.from_tensor(module.weight), torch.empty(3, 32)
-        assert weight.layout == torch.strided  # what a compiler sees
+        # What a compiler sees: torch 2.11-2.13's fake is strided (2.14's keeps the layout).
         with Ops() as ops:
             out = linear(x, weight, onednn=module.onednn_packed)
     assert out.shape == (3, 48)

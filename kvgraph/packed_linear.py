@@ -133,7 +133,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `small_batch` (a module's, set by `use_small_batch_linear`) runs a plain one's batches of
     few rows in kvgraph's small-batch kernel. `onednn` says whether the weight is oneDNN's
     packed one (a module's `onednn_packed`, set by `pack_linear_weights`); under a compiler it
-    must be given, because fake tensors do not keep oneDNN's layout (None: read the layout)."""
+    must be given, because torch 2.11-2.13's fake tensors do not keep oneDNN's layout (None:
+    read the layout)."""
     if is_tile_packed(weight):
         return torch.ops.kvgraph_cpu.bf16_linear(x, weight, bias)
     if onednn is None:

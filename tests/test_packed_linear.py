@@ -272,6 +272,9 @@ def test_a_module_reading_its_weight_through_linear_says_it_is_packed_for_compil
     assert module.onednn_packed and is_packed(module.weight)
 
     class Ops(TorchDispatchMode):
+        """The ops called, by name (not tests.attention_reference's OpRecorder: it reruns
+        kvgraph's ops on their CPU kernels, which fake tensors have no data for)."""
+
         def __init__(self):
             super().__init__()
             self.names = []

@@ -13,6 +13,7 @@ from kvgraph import packed_linear
 from kvgraph.small_batch_linear import (SmallBatchLinear, small_batch_dtypes,
                                         small_batch_kernel_loaded, small_batch_max_rows,
                                         use_small_batch_linear)
+from tests.attention_reference import OpRecorder
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
 pytestmark = pytest.mark.skipif(not small_batch_kernel_loaded(),
@@ -138,19 +139,8 @@ def test_only_plain_fp32_and_unpackable_bf16_linears_change_their_weights_the_sa
 def test_a_module_reading_its_weight_through_linear_is_told_to_run_it():
     """The tensor-parallel row-parallel linear reads its weight through `linear()`: it gets
     `small_batch = True` (fp32 here) and the kernel runs its rows; an fp16 one keeps F.linear."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from examples.models.tensor_parallel import RowParallelLinear
     from kvgraph.distributed import TensorParallelGroup
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.called = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.called.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     tp = TensorParallelGroup(None, 0, 1)
     model = nn.ModuleDict({"fp32": RowParallelLinear(16, 8, bias=False, tp=tp),
@@ -158,9 +148,9 @@ def test_a_module_reading_its_weight_through_linear_is_told_to_run_it():
     assert use_small_batch_linear(model) == 1
     assert model["fp32"].small_batch and not model["fp16"].small_batch
     x = torch.randn(3, 16)
-    with torch.no_grad(), Ops() as ops:
+    with torch.no_grad(), OpRecorder() as ops:
         got = model["fp32"](x)
-    assert "kvgraph_cpu.small_batch_linear.default" in ops.called
+    assert "kvgraph_cpu.small_batch_linear.default" in ops.ops
     assert torch.equal(got, small_batch_linear(x, model["fp32"].weight))
     torch.testing.assert_close(got, nn.functional.linear(x, model["fp32"].weight), **FP32)
 

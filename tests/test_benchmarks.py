@@ -95,3 +95,19 @@ def test_inductor_threads_compares_serial_and_parallel_builds(tmp_path, compile_
     assert set(row["ratio"]) == {"prefill_tok_s", "decode_b1_ms", "decode_b2_ms"}
     assert all(v > 0 for kind in row["medians"].values() for v in kind.values())
     assert payload["args"]["threads"] == 2 and len(row["samples"]["serial"]) == 2
+
+
+def test_token_budget_times_prefill_and_the_stall_a_long_prompt_causes(tmp_path):
+    from examples.benchmarks import token_budget
+
+    payload = token_budget.main([
+        "--preset", "tiny", "--budgets", "8", "16", "--prefill", "2", "8", "--decodes", "2",
+        "--long-prompt", "24", "--max-model-len", "64", "--rounds", "2",
+        "--piece-compiler", "eager", "--json", str(tmp_path / "budget.json")])
+    assert set(payload["medians"]) == {8, 16}
+    for budget, row in payload["medians"].items():
+        # Two decoding requests take a token each of every step; the prompt gets the rest.
+        assert row["stall_steps"] == -(-24 // (budget - 2))
+        assert min(row["prefill_tok_s"], row["stall_ms"], row["decode_step_ms"]) > 0
+    assert len(payload["samples"][8]) == 2
+    assert (tmp_path / "budget.json").is_file()

@@ -21,7 +21,7 @@ def budget(*flags: str) -> int:
 
 def test_the_cpu_budget_is_what_its_prefill_does_best(monkeypatch):
     monkeypatch.delenv("KVGRAPH_MAX_NUM_TOKENS", raising=False)
-    assert budget() == budget("--device", "cpu") == DEFAULT_TOKEN_BUDGETS["cpu"] == 512
+    assert budget() == budget("--device", "cpu") == DEFAULT_TOKEN_BUDGETS["cpu"] == 1024
 
 
 # Ids without "cuda": that keyword marks a test that needs a GPU.

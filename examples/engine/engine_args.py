@@ -41,9 +41,11 @@ from .tp_workers import run_worker, start_rank_zero
 logger = logging.getLogger(__name__)
 
 # Tokens per step when neither --max-num-tokens nor KVGRAPH_MAX_NUM_TOKENS says, by device type.
-# On the CPU, prefill throughput (small Llama, one thread, piecewise) rises to 512 tokens per
-# step, 1.25x 128's, and no further at 1024; 512 is also the largest default capture size.
-DEFAULT_TOKEN_BUDGETS = {"cpu": 512}
+# On the CPU, prefill throughput (small Llama, piecewise; benchmarks/token_budget.py) rises to
+# 1024 tokens per step, 2-7% over 512's, and no further at 2048, while the longest step a
+# decoding request waits through grows with the budget (1.4x 512's at 1024). Steps above 512
+# tokens run without graphs, as on every device.
+DEFAULT_TOKEN_BUDGETS = {"cpu": 1024}
 # Elsewhere (not yet measured): small enough that capturing every size stays quick.
 DEFAULT_TOKEN_BUDGET = 128
 # Context when neither --max-model-len nor a smaller max_position_embeddings says.

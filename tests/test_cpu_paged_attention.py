@@ -77,6 +77,17 @@ def test_long_queries_span_several_work_items(backend, heads, window):
     check_caches(batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_over_every_tile_width(backend, dtype):
+    """Keys are scored 64 a tile, the last tile rounded up to 16 with zeros: contexts on and
+    around every width (and over several tiles) see exactly their own keys."""
+    lengths = [1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 127, 128, 130]
+    chunks, num_blocks = make_chunks([(n - 1, 1) for n in lengths], 16, Random(5))
+    batch = attention_batch(chunks, num_blocks, 16, 8, 2, head_size=64, dtype=dtype, seed=5)
+    assert_close(run(backend, batch), batch.ref, dtype)
+    check_caches(batch)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 def test_half_precision_caches(backend, dtype, kind):

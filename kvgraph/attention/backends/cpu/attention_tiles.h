@@ -33,7 +33,15 @@ __attribute__((always_inline)) inline To bit_cast(From from) {
   return to;
 }
 
-constexpr int64_t VALUE_CHUNK = 32;  // output dims kept in registers while keys stream past
+// Output dims kept in registers while keys stream past: for ROW_BLOCK (4) rows, 16 vectors of
+// accumulators, each broadcast weight feeding four multiply-adds with AVX-512 (32 registers),
+// two with AVX2 (16).
+#ifdef __AVX512F__
+constexpr int64_t VALUE_CHUNK = 64;
+#else
+constexpr int64_t VALUE_CHUNK = 32;
+#endif
+constexpr int64_t KEY_STEP = 16;  // a tile's keys are scored in multiples of this many
 
 // exp(x) for x <= 0 in plain arithmetic, so a loop of it vectorises (std::exp does not):
 // 2^n * e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative error < 2e-7). n is
@@ -56,9 +64,13 @@ __attribute__((always_inline)) inline float exp_nonpositive(float x) {
   return p * bit_cast<float>(bits);  // 2^n
 }
 
-// s[r][k] = q[r] . keys_t[:, k] for r < R, k < N; q rows are kdim apart, keys_t is [kdim][N].
+// s[r][k] = q[r] . keys_t[:, k] for r < R, k < N; q rows are kdim apart, keys_t is [kdim][N],
+// s rows s_stride apart. N is fixed (a tile's keys rounded up to KEY_STEP) so the sums stay in
+// registers: with a run-time width GCC kept them in memory, each a chain of loads and stores
+// (a quarter of a short decode's attention went to its last, partial tile).
 template <int R, int64_t N>
-inline void score_rows(const float* q, const float* keys_t, int64_t kdim, float* s) {
+inline void score_rows(const float* q, const float* keys_t, int64_t kdim, float* s,
+                       int64_t s_stride) {
   float sums[R][N] = {};
   for (int64_t d = 0; d < kdim; ++d) {
     const float* kt = keys_t + d * N;
@@ -68,7 +80,7 @@ inline void score_rows(const float* q, const float* keys_t, int64_t kdim, float*
       for (int64_t k = 0; k < N; ++k) sums[r][k] += qd * kt[k];
     }
   }
-  std::memcpy(s, sums, sizeof(sums));
+  for (int r = 0; r < R; ++r) std::memcpy(s + r * s_stride, sums[r], sizeof(sums[r]));
 }
 
 #ifdef __AVX512F__
@@ -147,22 +159,6 @@ inline void transpose_keys(const float* keys, int64_t n, int64_t kdim, float* ke
 #endif
   for (int64_t k = 0; k < n; ++k) {
     for (int64_t d = k < k_done ? d_done : 0; d < kdim; ++d) keys_t[d * n + k] = keys[k * kdim + d];
-  }
-}
-
-// The same for a partial tile of n < N keys (keys_t is [kdim][n]; s rows stay N apart).
-template <int R, int64_t N>
-inline void score_rows_partial(const float* q, const float* keys_t, int64_t kdim, int64_t n,
-                               float* s) {
-  for (int r = 0; r < R; ++r) std::fill(s + r * N, s + r * N + n, 0.f);
-  for (int64_t d = 0; d < kdim; ++d) {
-    const float* kt = keys_t + d * n;
-    for (int r = 0; r < R; ++r) {
-      const float qd = q[r * kdim + d];
-      float* sr = s + r * N;
-#pragma omp simd
-      for (int64_t k = 0; k < n; ++k) sr[k] += qd * kt[k];
-    }
   }
 }
 

@@ -155,15 +155,19 @@ struct Kernel {
     return {first_pos, first_key, std::min(seq_len, first_pos + work.num_tokens)};
   }
 
-  // R rows over the keys [see_lo, see_hi) of a tile of n (every gathered key is a real one).
+  // R rows over the keys [see_lo, see_hi) of a tile `width` keys wide (the keys gathered,
+  // rounded up to KEY_STEP with zeros; only real keys are ever visible).
   template <int R>
-  void attend_rows(const float* q_rows, int64_t kdim, Scratch& s, int64_t n, int64_t see_lo,
+  void attend_rows(const float* q_rows, int64_t kdim, Scratch& s, int64_t width, int64_t see_lo,
                    int64_t see_hi, float* row_max, float* row_sum, float* acc) const {
+    static_assert(KEY_TILE == 4 * KEY_STEP, "the widths below are a tile's");
     float* scores = s.scores.data();
-    if (n == KEY_TILE) {
-      score_rows<R, KEY_TILE>(q_rows, s.keys_t.data(), kdim, scores);
-    } else {
-      score_rows_partial<R, KEY_TILE>(q_rows, s.keys_t.data(), kdim, n, scores);
+    const float* keys_t = s.keys_t.data();
+    switch (width) {
+      case KEY_STEP: score_rows<R, KEY_STEP>(q_rows, keys_t, kdim, scores, KEY_TILE); break;
+      case 2 * KEY_STEP: score_rows<R, 2 * KEY_STEP>(q_rows, keys_t, kdim, scores, KEY_TILE); break;
+      case 3 * KEY_STEP: score_rows<R, 3 * KEY_STEP>(q_rows, keys_t, kdim, scores, KEY_TILE); break;
+      default: score_rows<R, KEY_TILE>(q_rows, keys_t, kdim, scores, KEY_TILE);
     }
     for (int r = 0; r < R; ++r) {
       softmax_update(scores + r * KEY_TILE, see_lo, see_hi, row_max[r], row_sum[r],
@@ -174,11 +178,11 @@ struct Kernel {
 
   // Rows [lo, hi), which all see the tile's keys [see_lo, see_hi): ROW_BLOCK at a time, so
   // each key and value loaded serves that many rows.
-  void attend_run(int64_t lo, int64_t hi, int64_t kdim, Scratch& s, int64_t n, int64_t see_lo,
-                  int64_t see_hi) const {
+  void attend_run(int64_t lo, int64_t hi, int64_t kdim, Scratch& s, int64_t width,
+                  int64_t see_lo, int64_t see_hi) const {
     const int64_t vdim = v.dim;
     auto rows = [&](auto block, int64_t row) {
-      attend_rows<decltype(block)::value>(s.q.data() + row * kdim, kdim, s, n, see_lo, see_hi,
+      attend_rows<decltype(block)::value>(s.q.data() + row * kdim, kdim, s, width, see_lo, see_hi,
                                           &s.row_max[row], &s.row_sum[row],
                                           s.acc.data() + row * vdim);
     };
@@ -241,7 +245,9 @@ struct Kernel {
         prefetch(next->request, next_head, after.first_key,
                  std::min(KEY_TILE, after.end_key - after.first_key));
       }
-      transpose_keys(s.keys.data(), n, kdim, s.keys_t.data());
+      const int64_t width = (n + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
+      std::fill(s.keys.data() + n * kdim, s.keys.data() + width * kdim, 0.f);
+      transpose_keys(s.keys.data(), width, kdim, s.keys_t.data());
       // Consecutive tokens that see the same keys of the tile (all of it, before the causal
       // diagonal) form one run of rows: token i's rows are [i * group, (i + 1) * group).
       for (int64_t i = 0; i < work.num_tokens;) {
@@ -249,7 +255,7 @@ struct Kernel {
         int64_t j = i + 1;
         while (j < work.num_tokens && visible(first_pos + j, lo, n) == std::pair{see_lo, see_hi}) ++j;
         if (see_lo < see_hi) {
-          attend_run(i * group, j * group, kdim, s, n, see_lo, see_hi);
+          attend_run(i * group, j * group, kdim, s, width, see_lo, see_hi);
         }
         i = j;
       }

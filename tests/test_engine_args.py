@@ -1,4 +1,5 @@
-"""The engine's flag defaults that depend on the device: the token budget per step."""
+"""The engine's flag defaults that depend on the device: the token budget per step and the
+graph mode."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import argparse
 import pytest
 
 from examples.engine import add_engine_args
+from kvgraph import GraphMode
+
 from examples.engine.engine_args import (
     DEFAULT_TOKEN_BUDGET,
     DEFAULT_TOKEN_BUDGETS,
@@ -35,3 +38,25 @@ def test_a_budget_asked_for_wins(monkeypatch):
     assert budget("--max-num-tokens", "64") == 64
     monkeypatch.setenv("KVGRAPH_MAX_NUM_TOKENS", "96")
     assert budget() == 96
+
+
+def mode(*flags: str) -> GraphMode:
+    return compilation_config(add_engine_args(argparse.ArgumentParser()).parse_args(
+        list(flags))).graph_mode
+
+
+@pytest.mark.parametrize("device, expected", [
+    ("cpu", GraphMode.FULL), ("cuda", GraphMode.PIECEWISE), ("npu:0", GraphMode.PIECEWISE),
+], ids=["cpu", "gpu", "npu"])
+def test_the_graph_mode_follows_the_device(monkeypatch, device, expected):
+    monkeypatch.delenv("KVGRAPH_GRAPH_MODE", raising=False)
+    assert mode("--device", device) is expected
+
+
+def test_a_graph_mode_asked_for_wins(monkeypatch):
+    monkeypatch.delenv("KVGRAPH_GRAPH_MODE", raising=False)
+    assert mode("--graph-mode", "piecewise") is GraphMode.PIECEWISE
+    monkeypatch.setenv("KVGRAPH_GRAPH_MODE", "none")
+    assert mode() is GraphMode.NONE
+    help_text = add_engine_args(argparse.ArgumentParser()).format_help()
+    assert "full on the CPU" in " ".join(help_text.split())

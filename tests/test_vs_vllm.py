@@ -22,7 +22,7 @@ def test_flags_pick_parts_dtypes_threads_and_rounds():
                        "--rounds", "2", "--kvgraph-arg=--max-num-tokens=1024"])
     assert (args.parts, args.dtypes, args.threads, args.rounds) == (
         ["decode", "serve"], ["float32"], ["1"], 2)
-    assert args.kvgraph_arg == ["--max-num-tokens=1024"] and args.graph_mode == "piecewise"
+    assert args.kvgraph_arg == ["--max-num-tokens=1024"] and args.graph_mode == "full"
     defaults = parse_args([])
     assert defaults.parts == ["decode", "prefill", "serve"] and defaults.parity
 

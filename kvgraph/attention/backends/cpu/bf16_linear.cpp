@@ -44,7 +44,7 @@ constexpr int64_t DEPTH = 32;      // inputs per AMX tile row: K is a multiple o
 // Rows up to which the dot-product path runs where AMX is usable: past it, AVX512-BF16's
 // arithmetic (not reading the weight) limits, and an AMX tile does 16 rows for the price of one.
 constexpr int64_t DOT_ROWS = 4;
-constexpr int64_t PASS_ROWS = 16;  // rows of one decode-path call (its accumulators' size)
+constexpr int64_t PASS_ROWS = 16;  // rows of one dot-product work item (its accumulators' size)
 
 // out[m][0:columns] = bf16(c[m][0:columns] + bias) for m < rows (c rows ldc apart), rounded to
 // nearest even, 16 at a time where the processor converts.
@@ -68,7 +68,7 @@ void store_rows(const float* c, int64_t ldc, int64_t rows, int64_t columns, cons
 }
 
 #if defined(__AVX512BF16__)
-constexpr int64_t PASS_BLOCKS = 4;  // column blocks streamed together in the decode path
+constexpr int64_t PASS_BLOCKS = 4;  // column blocks streamed together by the dot products
 constexpr int64_t CHUNK_PAIRS = 64; // input pairs per chunk: 4 blocks' 16 KB stay in L1
 
 // One input row's sums against four column blocks. Named members, not an array: GCC keeps an
@@ -125,32 +125,40 @@ void pass_rows(const uint16_t* x, int64_t ldx, const uint16_t* const* blocks, in
   if constexpr (R > 3) r3.store(acc + 192);
 }
 
-void decode_matmul(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t N,
-                   int64_t K, const float* bias, at::BFloat16* out, int64_t ldo) {
+// out[M, N] = x[M, K] . w (packed) + bias, PASS_ROWS rows and one pass (four column blocks) a
+// work item, all in one parallel region: items run pass by pass, so a thread's consecutive items
+// reuse one pass's weights (in L2) over every group of rows.
+void dot_matmul(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t N,
+                int64_t K, const float* bias, at::BFloat16* out, int64_t ldo) {
   const int64_t pairs = K / 2, block_elems = pairs * 32;
   const int64_t num_blocks = (N + BLOCK - 1) / BLOCK;
   const int64_t passes = (num_blocks + PASS_BLOCKS - 1) / PASS_BLOCKS;
+  const int64_t groups = (M + PASS_ROWS - 1) / PASS_ROWS;
   // A thread's share: 16 passes (1024 outputs) of one row, fewer as rows add work, so that
   // without AMX a prefill's 512-output matmuls (8 passes) run on every thread too.
-  const int64_t grain = std::max<int64_t>(1, 16 / M);
-  at::parallel_for(0, passes, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 16 / std::min(M, PASS_ROWS));
+  at::parallel_for(0, passes * groups, grain, [&](int64_t begin, int64_t end) {
     alignas(64) float acc[PASS_ROWS * 64];
-    for (int64_t pass = begin; pass < end; ++pass) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t pass = item / groups, m0 = item % groups * PASS_ROWS;
+      const int64_t rows = std::min(PASS_ROWS, M - m0);
+      const uint16_t* xs = x + m0 * ldx;
       const int64_t b0 = pass * PASS_BLOCKS;
       const uint16_t* blocks[PASS_BLOCKS];
       for (int64_t j = 0; j < PASS_BLOCKS; ++j)
         blocks[j] = w + std::min(b0 + j, num_blocks - 1) * block_elems;
-      std::fill(acc, acc + M * 64, 0.f);
+      std::fill(acc, acc + rows * 64, 0.f);
       for (int64_t lo = 0; lo < pairs; lo += CHUNK_PAIRS) {
         const int64_t hi = std::min(pairs, lo + CHUNK_PAIRS);
         int64_t r = 0;
-        for (; r + 4 <= M; r += 4) pass_rows<4>(x + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
-        if (M - r == 3) pass_rows<3>(x + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
-        if (M - r == 2) pass_rows<2>(x + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
-        if (M - r == 1) pass_rows<1>(x + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
+        for (; r + 4 <= rows; r += 4) pass_rows<4>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
+        if (rows - r == 3) pass_rows<3>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
+        if (rows - r == 2) pass_rows<2>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
+        if (rows - r == 1) pass_rows<1>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
       }
       const int64_t n0 = b0 * BLOCK, columns = std::min<int64_t>(PASS_BLOCKS * BLOCK, N - n0);
-      store_rows(acc, 64, M, columns, bias != nullptr ? bias + n0 : nullptr, out + n0, ldo);
+      store_rows(acc, 64, rows, columns, bias != nullptr ? bias + n0 : nullptr,
+                 out + m0 * ldo + n0, ldo);
     }
   });
 }
@@ -347,9 +355,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed,
   }
 #endif
 #if defined(__AVX512BF16__)
-  for (int64_t m = 0; m < M; m += PASS_ROWS) {
-    decode_matmul(xs + m * ldx, ldx, std::min(PASS_ROWS, M - m), ws, N, K, b, o + m * N, N);
-  }
+  dot_matmul(xs, ldx, M, ws, N, K, b, o, N);
 #endif
   return out;
 }

@@ -50,9 +50,10 @@ DEFAULT_TOKEN_BUDGETS = {"cpu": 1024}
 DEFAULT_TOKEN_BUDGET = 128
 # Graph mode when neither --graph-mode nor KVGRAPH_GRAPH_MODE says, by device type (elsewhere
 # kvgraph's default, piecewise). A CPU graph saves no launches, and one graph of the whole
-# forward skips the pieces' own Python between attention ops: decode steps 5-15% faster than
-# piecewise on one thread and on two (benchmarks/engine_graph_modes.py; README, "Graph modes
-# against eager on the CPU"), for a cold compile ~1.35x piecewise's (small Llama; warm: equal).
+# forward skips the pieces' own Python between attention ops: decode steps 7-14% faster than
+# piecewise on one thread, 7-10% at batch 1 on two (batch 16 within noise; small Llama, Zen 4,
+# benchmarks/engine_graph_modes.py; README, "Graph modes against eager on the CPU"), for a
+# cold compile ~1.35x piecewise's (warm: equal).
 DEFAULT_GRAPH_MODES = {"cpu": kvgraph.GraphMode.FULL}
 # Context when neither --max-model-len nor a smaller max_position_embeddings says.
 DEFAULT_MAX_MODEL_LEN = 1024

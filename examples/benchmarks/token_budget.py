@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import torch
 
+from examples.benchmarks.engine_steps import generate_s
 from examples.benchmarks.timing import machine, write_json
 from examples.engine import LLMEngine, SamplingParams, add_engine_args, build_engine
 from examples.models import DeepseekMLA, Llama
@@ -55,13 +56,6 @@ def make_engine(args: argparse.Namespace, budget: int) -> LLMEngine:
                         MODELS)[0]
 
 
-def prefill_tok_s(engine: LLMEngine, prompts: list[list[int]]) -> float:
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    engine.generate(prompts, params)
-    return sum(map(len, prompts)) / (time.perf_counter() - start)
-
-
 def stall_ms(engine: LLMEngine, decodes: list[list[int]], long_prompt: list[int]
              ) -> dict[str, float]:
     """The longest step while `long_prompt` is prefilled beside `decodes`, and the median
@@ -89,7 +83,8 @@ def stall_ms(engine: LLMEngine, decodes: list[list[int]], long_prompt: list[int]
 
 
 def time_round(engine: LLMEngine, prompts: dict[str, Any]) -> dict[str, float]:
-    return {"prefill_tok_s": prefill_tok_s(engine, prompts["prefill"]),
+    prefill = prompts["prefill"]
+    return {"prefill_tok_s": sum(map(len, prefill)) / generate_s(engine, prefill, 1),
             **stall_ms(engine, prompts["decodes"], prompts["long"])}
 
 

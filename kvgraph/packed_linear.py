@@ -6,16 +6,18 @@ of the whole weight per matmul per step. `pack_linear_weights(model)` packs each
 load:
 
 - bf16, where the processor has AVX512-BF16 (and the weight is [16 n, 32 k]): kvgraph's own
-  layout, a plain bf16 tensor `[out / 16, in / 2, 16, 2]` read by `kvgraph_cpu::bf16_linear`
-  (bf16_linear.cpp among the CPU kernels: AVX512-BF16 dot products for a decode step's few rows,
-  AMX tiles for more where the processor has AMX, dot products for every batch where it has
-  not). torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode step of
+  tile layout, a plain bf16 tensor `[out / 16, in / 2, 16, 2]` (`kvgraph.tile_weights`) read by
+  `kvgraph_cpu::bf16_linear` (AVX512-BF16 dot products for a decode step's few rows, AMX tiles
+  for more where the processor has AMX, dot products for every batch where it has not).
+  torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode step of
   dozens of small matmuls feels (README, "bf16 linears").
-- otherwise (fp16; bf16 without AVX512-BF16): oneDNN's blocked layout, an opaque tensor
-  (`layout=torch._mkldnn`) run by `kvgraph::packed_linear` through mkldnn's linear, where
-  oneDNN has kernels for the dtype on this processor (`can_pack(dtype)`; on x86 bf16 wants
-  AVX-512 or AVX-NE-CONVERT: an AVX2-only CPU such as AMD Zen 3 has neither). Elsewhere the
-  weights stay plain, said once in the log, and torch's matmul runs them.
+- fp32, where it is packed (`packed_dtypes`) and the processor has AVX-512 (and the weight is
+  [16 n, k]): kvgraph's fp32 tile layout `[out / 16, in, 16]`, read by `kvgraph_cpu::fp32_linear`.
+- otherwise (fp16; bf16 without AVX512-BF16; fp32 without AVX-512): oneDNN's blocked layout,
+  an opaque tensor (`layout=torch._mkldnn`) run by `kvgraph::packed_linear` through mkldnn's
+  linear, where oneDNN has kernels for the dtype on this processor (`can_pack(dtype)`; on x86
+  bf16 wants AVX-512 or AVX-NE-CONVERT: an AVX2-only CPU such as AMD Zen 3 has neither).
+  Elsewhere the weights stay plain, said once in the log, and torch's matmul runs them.
 
 A packed weight stays a parameter, so a graph input: identical layers still compile once.
 (Inductor's `freezing` packs too, but makes each layer's weights constants of its own graph, so
@@ -26,9 +28,9 @@ kernels give the output's shape.
 A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
 
 fp32 weights stay plain (MKL's sgemm reads them as they are), except on AMD processors with
-AVX-512, where oneDNN's packed fp32 linear measured fastest (`packed_dtypes`); plain fp32
-linears, and bf16 ones oneDNN cannot pack, run kvgraph's small-batch kernel at a decode step's
-few rows (`kvgraph.small_batch_linear`).
+AVX-512, where kvgraph's fp32 tiles measured fastest, and oneDNN's packed fp32 linear next
+(`packed_dtypes`); plain fp32 linears, and bf16 ones oneDNN cannot pack, run kvgraph's
+small-batch kernel at a decode step's few rows (`kvgraph.small_batch_linear`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvgraph.tile_weights import (fp32_tiles_usable, is_tile_packed, tile_linear, tile_packable,
+                                  to_tiles)
+
 logger = logging.getLogger(__name__)
 
 # The dtypes packed everywhere by default: those whose plain matmul repacks the weight on every
@@ -51,6 +56,7 @@ CPUINFO = Path("/proc/cpuinfo")
 # Rows oneDNN is told to expect when it chooses the packed layout: decode batches are small,
 # and a layout chosen for them also serves prefill (measured: README, "Packed weights").
 PACKING_BATCH_HINT = 16
+TILE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # a PackedLinear's repr says which
 
 _library = torch.library.Library("kvgraph", "FRAGMENT")  # ops.py owns the namespace
 _library.define("packed_linear(Tensor x, Tensor weight, Tensor? bias, SymInt out_features) -> Tensor")
@@ -70,60 +76,8 @@ _library.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")
 torch.library.register_fake("kvgraph::packed_linear", _packed_linear_fake, lib=_library)
 
 
-# kvgraph's bf16 tile layout `[out / TILE_OUTPUTS, in / 2, TILE_OUTPUTS, 2]`: a weight takes it
-# when out is a multiple of TILE_OUTPUTS and in of TILE_DEPTH (an AMX tile's depth).
-TILE_OUTPUTS, TILE_DEPTH = 16, 32
-
-
-def _bf16_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-                      ) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], packed.shape[0] * TILE_OUTPUTS)
-
-
-def linear_kernel_loaded(op: str, fake, fallback: str) -> bool:
-    """Whether kvgraph's CPU kernels are loaded (built on first use), with `op`'s fake kernel
-    registered; False, logged with what runs instead (`fallback`), where they cannot be built."""
-    from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
-
-    try:
-        load_kernels()
-    except KernelBuildError as error:
-        logger.warning("kvgraph: %s: %s", fallback, error)
-        return False
-    torch.library.register_fake(f"kvgraph_cpu::{op}", fake)
-    return True
-
-
-@functools.cache  # builds (or loads) the kernels once; registering a fake twice is an error
-def bf16_tiles_usable() -> bool:
-    """Whether bf16 weights pack into kvgraph's tile layout here: the CPU kernels build and the
-    processor has AVX512-BF16 (then AMX too where Linux grants its tiles). False, logged once,
-    otherwise."""
-    if not linear_kernel_loaded("bf16_linear", _bf16_linear_fake,
-                                "bf16 linears run oneDNN's"):
-        return False
-    level = torch.ops.kvgraph_cpu.bf16_linear_level()
-    if level == 2:
-        logger.info("kvgraph: bf16 linears run kvgraph's kernel (AVX512-BF16 and AMX)")
-    elif level == 1:
-        # Measured on a Zen 4 (README, "bf16 linears"): ahead of oneDNN's packed linear up to
-        # 16 rows, 2-6% behind it at prefill sizes, where both are bound by the same dot products.
-        logger.info("kvgraph: bf16 linears run kvgraph's AVX512-BF16 kernel (no AMX here)")
-    elif can_pack(torch.bfloat16):
-        logger.info("kvgraph: bf16 linears run oneDNN's (this processor has no AVX512-BF16)")
-    else:  # packing says why; use_small_batch_linear says what runs them instead
-        logger.info("kvgraph: this processor has neither AVX512-BF16 nor oneDNN's bf16 kernels")
-    return level > 0
-
-
-def is_tile_packed(weight: torch.Tensor) -> bool:
-    """Whether `weight` is in kvgraph's bf16 tile layout `[out / 16, in / 2, 16, 2]`."""
-    return (weight.dim() == 4 and tuple(weight.shape[2:]) == (TILE_OUTPUTS, 2)
-            and weight.dtype == torch.bfloat16)
-
-
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether `weight` is packed: oneDNN's opaque tensor or kvgraph's bf16 tile layout."""
+    """Whether `weight` is packed: oneDNN's opaque tensor or one of kvgraph's tile layouts."""
     return weight.layout == torch._mkldnn or is_tile_packed(weight)
 
 
@@ -136,7 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     must be given, because torch 2.11-2.13's fake tensors do not keep oneDNN's layout (None:
     read the layout)."""
     if is_tile_packed(weight):
-        return torch.ops.kvgraph_cpu.bf16_linear(x, weight, bias)
+        return tile_linear(x, weight, bias)
     if onednn is None:
         onednn = weight.layout == torch._mkldnn
     if onednn:
@@ -144,13 +98,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if small_batch:
         return torch.ops.kvgraph_cpu.small_batch_linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def tile_packable(weight: torch.Tensor) -> bool:
-    """Whether `weight` can take the bf16 tile layout here (bf16, [16 n, 32 k], AVX512-BF16)."""
-    out_features, in_features = weight.shape
-    return (weight.dtype == torch.bfloat16 and out_features % TILE_OUTPUTS == 0
-            and in_features % TILE_DEPTH == 0 and bf16_tiles_usable())
 
 
 # oneDNN's checks of the processor for its reduced-precision kernels (packing and matmul); without
@@ -173,16 +120,14 @@ def can_pack(dtype: torch.dtype | None = None) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` (`[out, in]`, on the CPU) packed once: kvgraph's bf16 tile layout where
-    `tile_packable`, else oneDNN's blocked layout."""
+    """`weight` (`[out, in]`, on the CPU) packed once: its dtype's tile layout where
+    `tile_packable` (kvgraph.tile_weights), else oneDNN's blocked layout."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(f"pack_weight: expected a 2-D CPU weight, got {tuple(weight.shape)} on "
                          f"{weight.device}")
     weight = weight.detach().contiguous()
     if tile_packable(weight):
-        out_features, in_features = weight.shape
-        return (weight.view(out_features // TILE_OUTPUTS, TILE_OUTPUTS, in_features // 2, 2)
-                .permute(0, 2, 1, 3).contiguous())
+        return to_tiles(weight)
     if not can_pack(weight.dtype):
         raise ValueError(f"pack_weight: oneDNN cannot pack {dtype_name(weight.dtype)} weights "
                          f"on this processor ({_cpu_capability()}: {ONEDNN_NEEDS}); leave "
@@ -211,11 +156,12 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if is_tile_packed(self.weight):
-            return torch.ops.kvgraph_cpu.bf16_linear(x, self.weight, self.bias)
+            return tile_linear(x, self.weight, self.bias)
         return torch.ops.kvgraph.packed_linear(x, self.weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
-        layout = "bf16 tiles" if is_tile_packed(self.weight) else "oneDNN"
+        layout = (f"{TILE_NAMES[self.weight.dtype]} tiles" if is_tile_packed(self.weight)
+                  else "oneDNN")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, packed ({layout})")
 
@@ -238,15 +184,18 @@ def cpu_vendor(cpuinfo: Path | None = None) -> str:
 def packed_dtypes() -> tuple[torch.dtype, ...]:
     """The dtypes `pack_linear_weights` packs by default here: bf16 and fp16 (their plain matmul
     repacks the weight on every call), and fp32 on an AMD processor with AVX-512. On a Zen 4
-    oneDNN's packed fp32 linear beat both MKL's sgemm and kvgraph's small-batch kernel at every
-    batch size (0.91x the kernel's time at 1 row, 0.52x at 16; 0.87x MKL's at 1024), where on an
-    Intel Xeon it lost to both at a decode step's rows (README, "Packed weights"): a rule from
-    the processors measured, not a law."""
+    kvgraph's fp32 tiles beat oneDNN's packed fp32 linear up to 64 rows (0.51x its time at 1
+    row, 0.86x at 16) and matched it at prefill sizes, and oneDNN's beat both MKL's sgemm and
+    kvgraph's small-batch kernel at every batch size, where on an Intel Xeon oneDNN's lost to
+    both at a decode step's rows and the tiles have not run (README, "fp32 linears"): a rule
+    from the processors measured, not a law."""
     amd_avx512 = (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-                  and cpu_vendor() == "AuthenticAMD" and can_pack(torch.float32))
+                  and cpu_vendor() == "AuthenticAMD"
+                  and (fp32_tiles_usable() or can_pack(torch.float32)))
     if amd_avx512:
-        logger.info("kvgraph: fp32 linear weights are packed for oneDNN too (an AMD processor "
-                    "with AVX-512, where oneDNN's fp32 linear is the fastest measured)")
+        logger.info("kvgraph: fp32 linear weights are packed too (an AMD processor with "
+                    "AVX-512), in %s", "kvgraph's fp32 tiles" if fp32_tiles_usable()
+                    else "oneDNN's layout (kvgraph's fp32 kernel is not built)")
     return PACKED_DTYPES + ((torch.float32,) if amd_avx512 else ())
 
 

@@ -17,7 +17,8 @@ import logging
 import torch
 from torch import nn
 
-from kvgraph.packed_linear import can_pack, dtype_name, linear_kernel_loaded
+from kvgraph.packed_linear import can_pack, dtype_name
+from kvgraph.tile_weights import linear_kernel_loaded
 
 logger = logging.getLogger(__name__)
 

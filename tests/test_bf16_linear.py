@@ -1,21 +1,23 @@
 """kvgraph's bf16 tile kernel (`kvgraph_cpu::bf16_linear`, bf16_linear.cpp) and the tile layout
 `pack_weight` gives bf16 weights where the processor has AVX512-BF16: the float64 product for
 every path (dot products up to 4 rows, one AMX row tile up to 16, 32-row blocks past it, chunks
-past 256; without AMX dot products for all, 16 rows a pass), bias, strided and 3-D inputs, the
-layout itself, clear errors, and which weights take it."""
+past 256; without AMX dot products for all: 6 rows at a time, 24 an item, 256 pairs of inputs a
+chunk), bias, strided and 3-D inputs, the layout itself, clear errors, and which weights take
+it."""
 
 import pytest
 import torch
 from torch import nn
 
-from kvgraph.packed_linear import (PackedLinear, bf16_tiles_usable, can_pack, is_packed,
-                                   is_tile_packed, linear, pack_linear_weights, pack_weight)
+from kvgraph.packed_linear import (PackedLinear, can_pack, is_packed, linear, pack_linear_weights,
+                                   pack_weight)
+from kvgraph.tile_weights import bf16_tiles_usable, is_tile_packed
 from tests.scenario import make_model
 
 pytestmark = pytest.mark.skipif(
     not bf16_tiles_usable(), reason="no AVX512-BF16 here, or kvgraph's CPU kernels cannot be built")
 
-ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 32, 33, 100, 300]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 23, 24, 25, 31, 32, 33, 100, 300]
 
 
 def _close_to_float64(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -108,8 +110,8 @@ def test_a_bf16_model_packs_every_linear_into_tiles():
 
 
 def test_the_benchmark_times_both_layouts(tmp_path):
-    from examples.benchmarks import bf16_linear
-    payload = bf16_linear.main(["--preset", "tiny", "--rows", "1", "20", "--rounds", "1",
+    from examples.benchmarks import tile_linear
+    payload = tile_linear.main(["--preset", "tiny", "--rows", "1", "20", "--rounds", "1",
                                 "--json", str(tmp_path / "bf16.json")])
     assert [row["rows"] for row in payload["results"]] == [1, 20]
     assert all(ms > 0 for row in payload["results"] for ms in row["ms"].values())

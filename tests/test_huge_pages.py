@@ -232,7 +232,8 @@ def test_the_benchmark_times_both_kinds_of_page(tmp_path):
 
 def test_the_benchmark_reads_packed_weights_as_plain_ones():
     from examples.benchmarks.huge_pages import plain_weight
-    from kvgraph.packed_linear import bf16_tiles_usable, pack_weight
+    from kvgraph.packed_linear import pack_weight
+    from kvgraph.tile_weights import bf16_tiles_usable
 
     weight = torch.randn(48, 64)
     assert plain_weight(weight) is weight

@@ -1,6 +1,8 @@
 """oneDNN-packed linear weights: the same results as plain weights, eager and in every graph
 kind, still one compile for identical layers, the compile cache across processes' runners, and
-plain weights kept where the processor has no oneDNN kernels for the dtype."""
+plain weights kept where the processor has no oneDNN kernels for the dtype. fp32 weights take
+oneDNN's layout here, as where kvgraph's fp32 tile kernel does not run (the tiles' own tests:
+test_fp32_linear.py)."""
 
 import logging
 
@@ -29,6 +31,13 @@ def onednn_packs(dtype: torch.dtype):
 
 
 PACKS_BF16 = onednn_packs(torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def fp32_for_onednn(monkeypatch):
+    tile_packable = packed_linear.tile_packable
+    monkeypatch.setattr(packed_linear, "tile_packable",
+                        lambda weight: weight.dtype != torch.float32 and tile_packable(weight))
 # Whether fp32 weights are packed by default here (AMD with AVX-512: `packed_dtypes`).
 PACKS_FP32 = torch.float32 in packed_dtypes()
 

@@ -29,8 +29,9 @@ from examples.benchmarks.timing import machine, write_json
 from examples.engine import build_engine
 from examples.models import Llama
 from kvgraph.huge_pages import huge_page_tensors, thp_unavailable_reason
-from kvgraph.packed_linear import PackedLinear, is_tile_packed
+from kvgraph.packed_linear import PackedLinear
 from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_kernel_loaded
+from kvgraph.tile_weights import from_tiles, is_tile_packed
 
 SETTINGS = {"4k": False, "huge": True}  # name: --huge-pages
 
@@ -62,14 +63,11 @@ def reading_ms(weights: list[torch.Tensor], rounds: int) -> dict[str, dict[str, 
 
 
 def plain_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` as a plain `[out, in]` tensor: oneDNN's packed one densified, kvgraph's bf16 tile
-    layout `[out / 16, in / 2, 16, 2]` laid back."""
+    """`weight` as a plain `[out, in]` tensor: oneDNN's packed one densified, kvgraph's tile
+    layouts laid back."""
     if weight.layout == torch._mkldnn:
         return weight.to_dense()
-    if is_tile_packed(weight):
-        blocks, pairs, outputs, _ = weight.shape
-        return weight.permute(0, 2, 1, 3).reshape(blocks * outputs, pairs * 2)
-    return weight
+    return from_tiles(weight) if is_tile_packed(weight) else weight
 
 
 def engine_ms(args) -> tuple[list[torch.Tensor], dict[str, dict[str, float]]]:

@@ -12,11 +12,11 @@
 // one copy of the weight serves decode and prefill. N must be a multiple of 16 and K of 32 (an
 // AMX tile's depth); Python packs only such weights.
 //
-// Up to DOT_ROWS rows: AVX512-BF16 dot products; each pass streams four column blocks (64
-// outputs) once and applies them to every row, 64 pairs of inputs at a time, in registers.
-// Up to 16 rows: one AMX tile of rows against the same four column blocks, weights prefetched.
-// More rows (prefill): 32x32 output blocks in four AMX accumulator tiles. Without AMX (a Zen 4,
-// or Linux refusing the tiles) every batch takes the dot products, 16 rows a pass.
+// Up to DOT_ROWS rows: AVX512-BF16 dot products (tile_matmul.h); each pass streams four column
+// blocks (64 outputs) once and applies them to every row, in registers. Up to 16 rows: one AMX
+// tile of rows against the same four column blocks, weights prefetched. More rows (prefill):
+// 32x32 output blocks in four AMX accumulator tiles. Without AMX (a Zen 4, or Linux refusing
+// the tiles) every batch takes the dot products.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,6 +37,8 @@
 #include <immintrin.h>
 #endif
 
+#include "tile_matmul.h"
+
 namespace {
 
 constexpr int64_t BLOCK = 16;      // outputs per column block (one 64-byte row of pairs)
@@ -44,7 +46,6 @@ constexpr int64_t DEPTH = 32;      // inputs per AMX tile row: K is a multiple o
 // Rows up to which the dot-product path runs where AMX is usable: past it, AVX512-BF16's
 // arithmetic (not reading the weight) limits, and an AMX tile does 16 rows for the price of one.
 constexpr int64_t DOT_ROWS = 4;
-constexpr int64_t PASS_ROWS = 16;  // rows of one dot-product work item (its accumulators' size)
 
 // out[m][0:columns] = bf16(c[m][0:columns] + bias) for m < rows (c rows ldc apart), rounded to
 // nearest even, 16 at a time where the processor converts.
@@ -68,99 +69,15 @@ void store_rows(const float* c, int64_t ldc, int64_t rows, int64_t columns, cons
 }
 
 #if defined(__AVX512BF16__)
-constexpr int64_t PASS_BLOCKS = 4;  // column blocks streamed together by the dot products
-constexpr int64_t CHUNK_PAIRS = 64; // input pairs per chunk: 4 blocks' 16 KB stay in L1
-
-// One input row's sums against four column blocks. Named members, not an array: GCC keeps an
-// array of vectors in memory and stores it after every instruction.
-struct BlockSums {
-  __m512 s0, s1, s2, s3;
-
-  void load(const float* acc) {
-    s0 = _mm512_loadu_ps(acc);
-    s1 = _mm512_loadu_ps(acc + 16);
-    s2 = _mm512_loadu_ps(acc + 32);
-    s3 = _mm512_loadu_ps(acc + 48);
-  }
-  void store(float* acc) const {
-    _mm512_storeu_ps(acc, s0);
-    _mm512_storeu_ps(acc + 16, s1);
-    _mm512_storeu_ps(acc + 32, s2);
-    _mm512_storeu_ps(acc + 48, s3);
-  }
-  void add(const uint16_t* x_pair, __m512bh w0, __m512bh w1, __m512bh w2, __m512bh w3) {
-    int32_t pair;
-    std::memcpy(&pair, x_pair, sizeof(pair));
-    const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-    s0 = _mm512_dpbf16_ps(s0, x, w0);
-    s1 = _mm512_dpbf16_ps(s1, x, w1);
-    s2 = _mm512_dpbf16_ps(s2, x, w2);
-    s3 = _mm512_dpbf16_ps(s3, x, w3);
-  }
-};
-
-// acc[r][0:64] += x[r][2 lo : 2 hi] . blocks' pairs [lo, hi) for r < R (acc rows 64 apart).
-// Missing blocks (a pass at the end of N) read the last real one; their sums are dropped.
-template <int R>
-void pass_rows(const uint16_t* x, int64_t ldx, const uint16_t* const* blocks, int64_t lo,
-               int64_t hi, float* acc) {
-  BlockSums r0, r1, r2, r3;
-  r0.load(acc);
-  if constexpr (R > 1) r1.load(acc + 64);
-  if constexpr (R > 2) r2.load(acc + 128);
-  if constexpr (R > 3) r3.load(acc + 192);
-  for (int64_t p = lo; p < hi; ++p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(blocks[0] + p * 32);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(blocks[1] + p * 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(blocks[2] + p * 32);
-    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(blocks[3] + p * 32);
-    r0.add(x + 2 * p, w0, w1, w2, w3);
-    if constexpr (R > 1) r1.add(x + ldx + 2 * p, w0, w1, w2, w3);
-    if constexpr (R > 2) r2.add(x + 2 * ldx + 2 * p, w0, w1, w2, w3);
-    if constexpr (R > 3) r3.add(x + 3 * ldx + 2 * p, w0, w1, w2, w3);
-  }
-  r0.store(acc);
-  if constexpr (R > 1) r1.store(acc + 64);
-  if constexpr (R > 2) r2.store(acc + 128);
-  if constexpr (R > 3) r3.store(acc + 192);
-}
-
-// out[M, N] = x[M, K] . w (packed) + bias, PASS_ROWS rows and one pass (four column blocks) a
-// work item, all in one parallel region: items run pass by pass, so a thread's consecutive items
-// reuse one pass's weights (in L2) over every group of rows.
+// out[M, N] = x[M, K] . w (packed) + bias by the dot products of tile_matmul.h.
 void dot_matmul(const uint16_t* x, int64_t ldx, int64_t M, const uint16_t* w, int64_t N,
                 int64_t K, const float* bias, at::BFloat16* out, int64_t ldo) {
-  const int64_t pairs = K / 2, block_elems = pairs * 32;
-  const int64_t num_blocks = (N + BLOCK - 1) / BLOCK;
-  const int64_t passes = (num_blocks + PASS_BLOCKS - 1) / PASS_BLOCKS;
-  const int64_t groups = (M + PASS_ROWS - 1) / PASS_ROWS;
-  // A thread's share: 16 passes (1024 outputs) of one row, fewer as rows add work, so that
-  // without AMX a prefill's 512-output matmuls (8 passes) run on every thread too.
-  const int64_t grain = std::max<int64_t>(1, 16 / std::min(M, PASS_ROWS));
-  at::parallel_for(0, passes * groups, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[PASS_ROWS * 64];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t pass = item / groups, m0 = item % groups * PASS_ROWS;
-      const int64_t rows = std::min(PASS_ROWS, M - m0);
-      const uint16_t* xs = x + m0 * ldx;
-      const int64_t b0 = pass * PASS_BLOCKS;
-      const uint16_t* blocks[PASS_BLOCKS];
-      for (int64_t j = 0; j < PASS_BLOCKS; ++j)
-        blocks[j] = w + std::min(b0 + j, num_blocks - 1) * block_elems;
-      std::fill(acc, acc + rows * 64, 0.f);
-      for (int64_t lo = 0; lo < pairs; lo += CHUNK_PAIRS) {
-        const int64_t hi = std::min(pairs, lo + CHUNK_PAIRS);
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4) pass_rows<4>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
-        if (rows - r == 3) pass_rows<3>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
-        if (rows - r == 2) pass_rows<2>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
-        if (rows - r == 1) pass_rows<1>(xs + r * ldx, ldx, blocks, lo, hi, acc + r * 64);
-      }
-      const int64_t n0 = b0 * BLOCK, columns = std::min<int64_t>(PASS_BLOCKS * BLOCK, N - n0);
-      store_rows(acc, 64, rows, columns, bias != nullptr ? bias + n0 : nullptr,
-                 out + m0 * ldo + n0, ldo);
-    }
-  });
+  kvgraph_tiles::tile_matmul<kvgraph_tiles::Bf16Step>(
+      x, ldx, M, w, N, K / 2,
+      [&](const float* sums, int64_t rows, int64_t m0, int64_t n0, int64_t columns) {
+        store_rows(sums, kvgraph_tiles::PASS_OUTPUTS, rows, columns,
+                   bias != nullptr ? bias + n0 : nullptr, out + m0 * ldo + n0, ldo);
+      });
 }
 #endif
 

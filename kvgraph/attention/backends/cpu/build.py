@@ -39,13 +39,15 @@ from kvgraph.config import default_cache_dir
 logger = logging.getLogger(__name__)
 
 # The CPU platform's native kernels: paged attention, the linears kvgraph.small_batch_linear
-# (a decode step's rows) and kvgraph.packed_linear (tile-packed bf16 weights) route through,
-# and the engine's thread binding.
+# (a decode step's rows) and kvgraph.packed_linear (tile-packed bf16 and fp32 weights) route
+# through, and the engine's thread binding.
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),
            Path(__file__).with_name("small_batch_linear.cpp"),
            Path(__file__).with_name("bf16_linear.cpp"),
+           Path(__file__).with_name("fp32_linear.cpp"),
            Path(__file__).with_name("thread_affinity.cpp"))
-HEADERS = (Path(__file__).with_name("attention_tiles.h"),)  # included by paged_attention.cpp
+HEADERS = (Path(__file__).with_name("attention_tiles.h"),  # included by paged_attention.cpp
+           Path(__file__).with_name("tile_matmul.h"))  # by bf16_linear.cpp and fp32_linear.cpp
 LIBRARY_NAME = "kvgraph_cpu_attention"
 # OpenMP: at::parallel_for runs on torch's threads. On x86, GCC's tuning for recent Intel cores
 # keeps loops at 256-bit vectors, half of what AVX-512 offers the tiles' loops.

@@ -84,11 +84,11 @@ inline void score_rows(const float* q, const float* keys_t, int64_t kdim, float*
 }
 
 #ifdef __AVX512F__
-// dst[j][i] = src[i][j] for a 16x16 block, in registers: pairs of rows interleave, then groups
-// of four, then 128-bit lanes move into place (rows ld_src apart, dst rows ld_dst apart).
-inline void transpose_16x16(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+// dst[j][i] = rows[i][d0 + j] for a 16x16 block, in registers: pairs of rows interleave, then
+// groups of four, then 128-bit lanes move into place (dst rows ld_dst apart).
+inline void transpose_16x16(const float* const* rows, int64_t d0, float* dst, int64_t ld_dst) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + d0);
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -112,11 +112,11 @@ inline void transpose_16x16(const float* src, int64_t ld_src, float* dst, int64_
   }
 }
 #elif defined(__AVX2__)
-// dst[j][i] = src[i][j] for an 8x8 block, in registers: pairs of rows interleave, then groups
-// of four, then the 128-bit halves swap into place.
-inline void transpose_8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+// dst[j][i] = rows[i][d0 + j] for an 8x8 block, in registers: pairs of rows interleave, then
+// groups of four, then the 128-bit halves swap into place.
+inline void transpose_8x8(const float* const* rows, int64_t d0, float* dst, int64_t ld_dst) {
   __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d0);
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -135,9 +135,10 @@ inline void transpose_8x8(const float* src, int64_t ld_src, float* dst, int64_t 
 }
 #endif
 
-// keys_t[d][k] = keys[k][d] for n keys of kdim: blocks in registers (16x16 with AVX-512, 8x8
-// with AVX2), element by element for the rest (and elsewhere).
-inline void transpose_keys(const float* keys, int64_t n, int64_t kdim, float* keys_t) {
+// keys_t[d][k] = keys[k][d] for n keys of kdim, each key a row of its own (in the cache, or
+// gathered): blocks in registers (16x16 with AVX-512, 8x8 with AVX2), element by element for
+// the rest (and elsewhere).
+inline void transpose_keys(const float* const* keys, int64_t n, int64_t kdim, float* keys_t) {
   int64_t k_done = 0, d_done = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
 #ifdef __AVX512F__
@@ -150,15 +151,15 @@ inline void transpose_keys(const float* keys, int64_t n, int64_t kdim, float* ke
   for (int64_t k0 = 0; k0 < k_done; k0 += B) {
     for (int64_t d0 = 0; d0 < d_done; d0 += B) {
 #ifdef __AVX512F__
-      transpose_16x16(keys + k0 * kdim + d0, kdim, keys_t + d0 * n + k0, n);
+      transpose_16x16(keys + k0, d0, keys_t + d0 * n + k0, n);
 #else
-      transpose_8x8(keys + k0 * kdim + d0, kdim, keys_t + d0 * n + k0, n);
+      transpose_8x8(keys + k0, d0, keys_t + d0 * n + k0, n);
 #endif
     }
   }
 #endif
   for (int64_t k = 0; k < n; ++k) {
-    for (int64_t d = k < k_done ? d_done : 0; d < kdim; ++d) keys_t[d * n + k] = keys[k * kdim + d];
+    for (int64_t d = k < k_done ? d_done : 0; d < kdim; ++d) keys_t[d * n + k] = keys[k][d];
   }
 }
 
@@ -203,17 +204,17 @@ inline void softmax_update(float* s, int64_t lo, int64_t hi, float& row_max, flo
   }
 }
 
-// acc[r][:vdim] += sum over k in [lo, hi) of p[r][k] * values[k, :] for r < R (p rows
-// p_stride apart, acc rows vdim apart).
+// acc[r][:vdim] += sum over k in [lo, hi) of p[r][k] * values[k][:] for r < R (p rows
+// p_stride apart, acc rows vdim apart, each value a row of its own).
 template <int R>
-inline void accumulate_rows(const float* p, int64_t p_stride, const float* values, int64_t lo,
-                            int64_t hi, int64_t vdim, float* acc) {
+inline void accumulate_rows(const float* p, int64_t p_stride, const float* const* values,
+                            int64_t lo, int64_t hi, int64_t vdim, float* acc) {
   int64_t d0 = 0;
   for (; d0 + VALUE_CHUNK <= vdim; d0 += VALUE_CHUNK) {
     float sums[R][VALUE_CHUNK];
     for (int r = 0; r < R; ++r) std::memcpy(sums[r], acc + r * vdim + d0, sizeof(sums[r]));
     for (int64_t k = lo; k < hi; ++k) {
-      const float* vk = values + k * vdim + d0;
+      const float* vk = values[k] + d0;
       for (int r = 0; r < R; ++r) {
         const float pk = p[r * p_stride + k];
 #pragma omp simd
@@ -225,7 +226,7 @@ inline void accumulate_rows(const float* p, int64_t p_stride, const float* value
   for (int r = 0; r < R; ++r) {
     for (int64_t k = lo; k < hi; ++k) {
       const float pk = p[r * p_stride + k];
-      for (int64_t d = d0; d < vdim; ++d) acc[r * vdim + d] += pk * values[k * vdim + d];
+      for (int64_t d = d0; d < vdim; ++d) acc[r * vdim + d] += pk * values[k][d];
     }
   }
 }

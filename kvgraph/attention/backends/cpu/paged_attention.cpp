@@ -5,9 +5,10 @@
 //   paged_attention(...): causal attention of each request's new tokens over its cached keys.
 // Work is split over (request, block of QUERY_TILE query tokens, KV head) with at::parallel_for.
 // Each item keeps one row per (token, query head of the KV head's group) and walks the keys it
-// needs once, KEY_TILE at a time, with an online softmax: a tile's keys and values (gathered
-// across blocks through the block table) are converted to fp32 once and the keys transposed,
-// then shared by every row, ROW_BLOCK rows per pass (GQA's heads and prefill's tokens reuse
+// needs once, KEY_TILE at a time, with an online softmax: a tile's keys and values are read
+// in place where the cache is fp32 (a row pointer per key, through the block table), else
+// gathered across blocks and converted to fp32 once; the keys are transposed, then shared by
+// every row, ROW_BLOCK rows per pass (GQA's heads and prefill's tokens reuse
 // each key that way); scores are computed across the tile's keys so the inner loops vectorise
 // without horizontal sums (the tile arithmetic: attention_tiles.h). Queries and outputs are
 // fp32 or the cache's dtype.
@@ -69,7 +70,7 @@ Cache<T> cache_of(const at::Tensor& t) {
   return {t.data_ptr<T>(), t.stride(0), t.stride(1), t.stride(2), t.size(3)};
 }
 
-// Asks for the cache lines of n elements at p: a later gather finds them in cache.
+// Asks for the cache lines of n elements at p: a later read finds them in cache.
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
@@ -99,7 +100,11 @@ struct Batch {
 // A work item's fp32 buffers (its rows' queries and softmax state, one key tile), kept by a
 // thread across its items so each item does not allocate its own.
 struct Scratch {
-  std::vector<float> q, acc, row_max, row_sum, keys, keys_t, values, scores;
+  std::vector<float> q, acc, row_max, row_sum, keys, keys_t, values, scores, zeros;
+  // The tile's keys and values as fp32 rows (the cache's own or gathered ones); keys past the
+  // tile's real ones (up to its width) point at zeros.
+  const float* key_rows[KEY_TILE];
+  const float* value_rows[KEY_TILE];
 };
 
 // T: the caches' dtype; Q: the queries' and output's (float, or T itself).
@@ -111,31 +116,55 @@ struct Kernel {
   Q* out;
   int64_t out_s0, out_s1;
 
-  // Keys [lo, lo + n) of request r, kv head h, as fp32 rows: keys [n][kdim], values [n][vdim].
-  void gather(int64_t r, int64_t h, int64_t lo, int64_t n, float* keys, float* values) const {
-    const int64_t bs = batch.block_size, kdim = k1.dim + k2.dim, vdim = v.dim;
+  // visit(k, block, slot) for the keys [lo, lo + n) of request r, k counted from lo.
+  template <typename Visit>
+  void for_each_slot(int64_t r, int64_t lo, int64_t n, Visit&& visit) const {
+    const int64_t bs = batch.block_size;
     const int32_t* table = batch.block_table + r * batch.block_table_stride;
     for (int64_t k = 0; k < n;) {
       const int64_t block = table[(lo + k) / bs], first_slot = (lo + k) % bs;
       TORCH_CHECK(block >= 0 && block < batch.num_blocks, "kvgraph_cpu.paged_attention: request ",
                   r, " reads block ", block, " of a cache with ", batch.num_blocks, " blocks");
       const int64_t end = std::min(n, k + bs - first_slot);
-      for (int64_t slot = first_slot; k < end; ++k, ++slot) {
-        copy_to_float(k1.row(block, slot, h), k1.dim, keys + k * kdim);
-        if (k2.dim) copy_to_float(k2.row(block, slot, h), k2.dim, keys + k * kdim + k1.dim);
-        copy_to_float(v.row(block, slot, h), vdim, values + k * vdim);
-      }
+      for (int64_t slot = first_slot; k < end; ++k, ++slot) visit(k, block, slot);
     }
   }
 
-  // Prefetches what gather(r, h, lo, n, ...) reads, so the next tile's rows arrive while this
+  // The tile [lo, lo + n) of request r, kv head h, `width` keys wide, as fp32 rows in
+  // s.key_rows / s.value_rows: an fp32 cache's own rows (one key part), else rows gathered and
+  // converted into s.keys [n][kdim] and s.values [n][vdim].
+  void tile_rows(int64_t r, int64_t h, int64_t lo, int64_t n, int64_t width, Scratch& s) const {
+    const int64_t kdim = k1.dim + k2.dim, vdim = v.dim;
+    if constexpr (std::is_same_v<T, float>) {
+      if (k2.dim == 0) {
+        for_each_slot(r, lo, n, [&](int64_t k, int64_t block, int64_t slot) {
+          s.key_rows[k] = k1.row(block, slot, h);
+          s.value_rows[k] = v.row(block, slot, h);
+        });
+        for (int64_t k = n; k < width; ++k) s.key_rows[k] = s.zeros.data();
+        return;
+      }
+    }
+    float *keys = s.keys.data(), *values = s.values.data();
+    for_each_slot(r, lo, n, [&](int64_t k, int64_t block, int64_t slot) {
+      copy_to_float(k1.row(block, slot, h), k1.dim, keys + k * kdim);
+      if (k2.dim) copy_to_float(k2.row(block, slot, h), k2.dim, keys + k * kdim + k1.dim);
+      copy_to_float(v.row(block, slot, h), vdim, values + k * vdim);
+    });
+    for (int64_t k = 0; k < width; ++k) {
+      s.key_rows[k] = k < n ? keys + k * kdim : s.zeros.data();
+      s.value_rows[k] = values + k * vdim;
+    }
+  }
+
+  // Prefetches what tile_rows(r, h, lo, n, ...) reads, so the next tile's rows arrive while this
   // one is computed (a decode step's cache comes from memory, each block from a new place).
   void prefetch(int64_t r, int64_t h, int64_t lo, int64_t n) const {
     const int64_t bs = batch.block_size;
     const int32_t* table = batch.block_table + r * batch.block_table_stride;
     for (int64_t k = lo; k < lo + n; ++k) {
       const int64_t block = table[k / bs], slot = k % bs;
-      if (block < 0 || block >= batch.num_blocks) return;  // gather reports it
+      if (block < 0 || block >= batch.num_blocks) return;  // tile_rows reports it
       prefetch_row(k1.row(block, slot, h), k1.dim);
       if (k2.dim) prefetch_row(k2.row(block, slot, h), k2.dim);
       prefetch_row(v.row(block, slot, h), v.dim);
@@ -155,8 +184,8 @@ struct Kernel {
     return {first_pos, first_key, std::min(seq_len, first_pos + work.num_tokens)};
   }
 
-  // R rows over the keys [see_lo, see_hi) of a tile `width` keys wide (the keys gathered,
-  // rounded up to KEY_STEP with zeros; only real keys are ever visible).
+  // R rows over the keys [see_lo, see_hi) of a tile `width` keys wide (its keys rounded up to
+  // KEY_STEP with zeros; only real keys are ever visible).
   template <int R>
   void attend_rows(const float* q_rows, int64_t kdim, Scratch& s, int64_t width, int64_t see_lo,
                    int64_t see_hi, float* row_max, float* row_sum, float* acc) const {
@@ -173,7 +202,7 @@ struct Kernel {
       softmax_update(scores + r * KEY_TILE, see_lo, see_hi, row_max[r], row_sum[r],
                      acc + r * v.dim, v.dim);
     }
-    accumulate_rows<R>(scores, KEY_TILE, s.values.data(), see_lo, see_hi, v.dim, acc);
+    accumulate_rows<R>(scores, KEY_TILE, s.value_rows, see_lo, see_hi, v.dim, acc);
   }
 
   // Rows [lo, hi), which all see the tile's keys [see_lo, see_hi): ROW_BLOCK at a time, so
@@ -229,6 +258,7 @@ struct Kernel {
     s.keys_t.resize(KEY_TILE * kdim);
     s.values.resize(KEY_TILE * vdim);
     s.scores.resize(ROW_BLOCK * KEY_TILE);
+    s.zeros.assign(kdim, 0.f);
     load_queries(work, kv_head, group, token0, s.q.data());
 
     TORCH_CHECK(end_key <= batch.block_table_columns * batch.block_size,
@@ -237,7 +267,8 @@ struct Kernel {
                 batch.block_size);
     for (int64_t lo = first_key; lo < end_key; lo += KEY_TILE) {
       const int64_t n = std::min(KEY_TILE, end_key - lo);
-      gather(r, kv_head, lo, n, s.keys.data(), s.values.data());
+      const int64_t width = (n + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
+      tile_rows(r, kv_head, lo, n, width, s);
       if (lo + KEY_TILE < end_key) {
         prefetch(r, kv_head, lo + KEY_TILE, std::min(KEY_TILE, end_key - lo - KEY_TILE));
       } else if (next != nullptr) {
@@ -245,9 +276,7 @@ struct Kernel {
         prefetch(next->request, next_head, after.first_key,
                  std::min(KEY_TILE, after.end_key - after.first_key));
       }
-      const int64_t width = (n + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
-      std::fill(s.keys.data() + n * kdim, s.keys.data() + width * kdim, 0.f);
-      transpose_keys(s.keys.data(), width, kdim, s.keys_t.data());
+      transpose_keys(s.key_rows, width, kdim, s.keys_t.data());
       // Consecutive tokens that see the same keys of the tile (all of it, before the causal
       // diagonal) form one run of rows: token i's rows are [i * group, (i + 1) * group).
       for (int64_t i = 0; i < work.num_tokens;) {

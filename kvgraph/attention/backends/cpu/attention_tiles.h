@@ -13,11 +13,60 @@
 #include <cstdint>
 #include <cstring>
 
+#include <type_traits>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace kvgraph_cpu {
+
+// A cache element as fp32 (the cache is read in place, in its own dtype).
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+inline float widen(double x) { return static_cast<float>(x); }  // a float64 cache: tests
+
+#ifdef __AVX512F__
+// 16 consecutive cache elements as fp32 lanes.
+inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 widen16(const c10::BFloat16* p) {  // bf16 is fp32's upper half
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 widen16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 widen16(const double* p) {
+  alignas(64) float f[16];
+  for (int i = 0; i < 16; ++i) f[i] = widen(p[i]);
+  return _mm512_load_ps(f);
+}
+#elif defined(__AVX2__)
+// 8 consecutive cache elements as fp32 lanes.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+inline __m256 widen8(const c10::Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = widen(p[i]);
+  return _mm256_load_ps(f);
+#endif
+}
+inline __m256 widen8(const double* p) {
+  alignas(32) float f[8];
+  for (int i = 0; i < 8; ++i) f[i] = widen(p[i]);
+  return _mm256_load_ps(f);
+}
+#endif
 
 // The bits of `from` as a `To`: GCC >= 11 and Clang have a builtin the vectoriser sees through;
 // older compilers get memcpy (correct, but the loops using it stay scalar).
@@ -84,11 +133,12 @@ inline void score_rows(const float* q, const float* keys_t, int64_t kdim, float*
 }
 
 #ifdef __AVX512F__
-// dst[j][i] = rows[i][d0 + j] for a 16x16 block, in registers: pairs of rows interleave, then
-// groups of four, then 128-bit lanes move into place (dst rows ld_dst apart).
-inline void transpose_16x16(const float* const* rows, int64_t d0, float* dst, int64_t ld_dst) {
+// dst[j][i] = rows[i][d0 + j] (as fp32) for a 16x16 block, in registers: pairs of rows
+// interleave, then groups of four, then 128-bit lanes move into place (dst rows ld_dst apart).
+template <typename E>
+inline void transpose_16x16(const E* const* rows, int64_t d0, float* dst, int64_t ld_dst) {
   __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(rows[i] + d0);
+  for (int i = 0; i < 16; ++i) r[i] = widen16(rows[i] + d0);
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
@@ -112,11 +162,12 @@ inline void transpose_16x16(const float* const* rows, int64_t d0, float* dst, in
   }
 }
 #elif defined(__AVX2__)
-// dst[j][i] = rows[i][d0 + j] for an 8x8 block, in registers: pairs of rows interleave, then
-// groups of four, then the 128-bit halves swap into place.
-inline void transpose_8x8(const float* const* rows, int64_t d0, float* dst, int64_t ld_dst) {
+// dst[j][i] = rows[i][d0 + j] (as fp32) for an 8x8 block, in registers: pairs of rows
+// interleave, then groups of four, then the 128-bit halves swap into place.
+template <typename E>
+inline void transpose_8x8(const E* const* rows, int64_t d0, float* dst, int64_t ld_dst) {
   __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + d0);
+  for (int i = 0; i < 8; ++i) r[i] = widen8(rows[i] + d0);
   for (int i = 0; i < 8; i += 2) {
     t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
     t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
@@ -135,10 +186,11 @@ inline void transpose_8x8(const float* const* rows, int64_t d0, float* dst, int6
 }
 #endif
 
-// keys_t[d][k] = keys[k][d] for n keys of kdim, each key a row of its own (in the cache, or
-// gathered): blocks in registers (16x16 with AVX-512, 8x8 with AVX2), element by element for
-// the rest (and elsewhere).
-inline void transpose_keys(const float* const* keys, int64_t n, int64_t kdim, float* keys_t) {
+// keys_t[d][k] = keys[k][d] (as fp32) for n keys of kdim, each key a row of its own (in the
+// cache, or gathered): blocks in registers (16x16 with AVX-512, 8x8 with AVX2), element by
+// element for the rest (and elsewhere).
+template <typename E>
+inline void transpose_keys(const E* const* keys, int64_t n, int64_t kdim, float* keys_t) {
   int64_t k_done = 0, d_done = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
 #ifdef __AVX512F__
@@ -159,7 +211,7 @@ inline void transpose_keys(const float* const* keys, int64_t n, int64_t kdim, fl
   }
 #endif
   for (int64_t k = 0; k < n; ++k) {
-    for (int64_t d = k < k_done ? d_done : 0; d < kdim; ++d) keys_t[d * n + k] = keys[k][d];
+    for (int64_t d = k < k_done ? d_done : 0; d < kdim; ++d) keys_t[d * n + k] = widen(keys[k][d]);
   }
 }
 
@@ -205,16 +257,25 @@ inline void softmax_update(float* s, int64_t lo, int64_t hi, float& row_max, flo
 }
 
 // acc[r][:vdim] += sum over k in [lo, hi) of p[r][k] * values[k][:] for r < R (p rows
-// p_stride apart, acc rows vdim apart, each value a row of its own).
-template <int R>
-inline void accumulate_rows(const float* p, int64_t p_stride, const float* const* values,
+// p_stride apart, acc rows vdim apart, each value a row of its own, widened to fp32 once for
+// the R rows).
+template <int R, typename E>
+inline void accumulate_rows(const float* p, int64_t p_stride, const E* const* values,
                             int64_t lo, int64_t hi, int64_t vdim, float* acc) {
   int64_t d0 = 0;
   for (; d0 + VALUE_CHUNK <= vdim; d0 += VALUE_CHUNK) {
     float sums[R][VALUE_CHUNK];
     for (int r = 0; r < R; ++r) std::memcpy(sums[r], acc + r * vdim + d0, sizeof(sums[r]));
     for (int64_t k = lo; k < hi; ++k) {
-      const float* vk = values[k] + d0;
+      const float* vk;
+      float widened[VALUE_CHUNK];
+      if constexpr (std::is_same_v<E, float>) {
+        vk = values[k] + d0;
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < VALUE_CHUNK; ++j) widened[j] = widen(values[k][d0 + j]);
+        vk = widened;
+      }
       for (int r = 0; r < R; ++r) {
         const float pk = p[r * p_stride + k];
 #pragma omp simd
@@ -226,7 +287,7 @@ inline void accumulate_rows(const float* p, int64_t p_stride, const float* const
   for (int r = 0; r < R; ++r) {
     for (int64_t k = lo; k < hi; ++k) {
       const float pk = p[r * p_stride + k];
-      for (int64_t d = d0; d < vdim; ++d) acc[r * vdim + d] += pk * values[k][d];
+      for (int64_t d = d0; d < vdim; ++d) acc[r * vdim + d] += pk * widen(values[k][d]);
     }
   }
 }

@@ -6,9 +6,9 @@
 // Work is split over (request, block of QUERY_TILE query tokens, KV head) with at::parallel_for.
 // Each item keeps one row per (token, query head of the KV head's group) and walks the keys it
 // needs once, KEY_TILE at a time, with an online softmax: a tile's keys and values are read
-// in place where the cache is fp32 (a row pointer per key, through the block table), else
-// gathered across blocks and converted to fp32 once; the keys are transposed, then shared by
-// every row, ROW_BLOCK rows per pass (GQA's heads and prefill's tokens reuse
+// in place (a row pointer per key, through the block table; MLA's two key parts are gathered
+// into fp32 rows instead), widened to fp32 as they are loaded; the keys are transposed, then
+// shared by every row, ROW_BLOCK rows per pass (GQA's heads and prefill's tokens reuse
 // each key that way); scores are computed across the tile's keys so the inner loops vectorise
 // without horizontal sums (the tile arithmetic: attention_tiles.h). Queries and outputs are
 // fp32 or the cache's dtype.
@@ -40,10 +40,6 @@ constexpr int64_t QUERY_TILE = 16;  // query tokens per work item: rows share ea
 constexpr int64_t KEY_TILE = 64;  // keys converted and transposed at once, across blocks
 constexpr int ROW_BLOCK = 4;  // rows (query heads, tokens) sharing each key and value loaded
 constexpr int64_t NO_WINDOW = -1;
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
 template <typename T>
 inline T from_float(float x) { return static_cast<T>(x); }
@@ -80,7 +76,7 @@ inline void prefetch_row(const T* p, int64_t n) {
 template <typename T>
 inline void copy_to_float(const T* src, int64_t n, float* dst) {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+  for (int64_t d = 0; d < n; ++d) dst[d] = widen(src[d]);
 }
 
 struct Work {
@@ -97,14 +93,22 @@ struct Batch {
   float scale;
 };
 
-// A work item's fp32 buffers (its rows' queries and softmax state, one key tile), kept by a
-// thread across its items so each item does not allocate its own.
+// A tile's keys and values, a row each; keys past the tile's real ones (up to its width) point
+// at zeros.
+template <typename E>
+struct TileRows {
+  const E* keys[KEY_TILE];
+  const E* values[KEY_TILE];
+  std::vector<E> zeros;
+};
+
+// A work item's fp32 buffers (its rows' queries and softmax state, one key tile) and a tile's
+// rows, kept by a thread across its items so each item does not allocate its own.
+template <typename T>
 struct Scratch {
-  std::vector<float> q, acc, row_max, row_sum, keys, keys_t, values, scores, zeros;
-  // The tile's keys and values as fp32 rows (the cache's own or gathered ones); keys past the
-  // tile's real ones (up to its width) point at zeros.
-  const float* key_rows[KEY_TILE];
-  const float* value_rows[KEY_TILE];
+  std::vector<float> q, acc, row_max, row_sum, keys, keys_t, values, scores;
+  TileRows<T> cache;         // the cache's own rows
+  TileRows<float> gathered;  // rows of keys, values (MLA's two key parts)
 };
 
 // T: the caches' dtype; Q: the queries' and output's (float, or T itself).
@@ -130,31 +134,31 @@ struct Kernel {
     }
   }
 
-  // The tile [lo, lo + n) of request r, kv head h, `width` keys wide, as fp32 rows in
-  // s.key_rows / s.value_rows: an fp32 cache's own rows (one key part), else rows gathered and
-  // converted into s.keys [n][kdim] and s.values [n][vdim].
-  void tile_rows(int64_t r, int64_t h, int64_t lo, int64_t n, int64_t width, Scratch& s) const {
+  // The tile [lo, lo + n) of request r, kv head h, `width` keys wide: the cache's own rows in
+  // s.cache (true), or, with two key parts, rows gathered into s.keys [n][kdim] and s.values
+  // [n][vdim] as fp32, in s.gathered (false).
+  bool tile_rows(int64_t r, int64_t h, int64_t lo, int64_t n, int64_t width,
+                 Scratch<T>& s) const {
     const int64_t kdim = k1.dim + k2.dim, vdim = v.dim;
-    if constexpr (std::is_same_v<T, float>) {
-      if (k2.dim == 0) {
-        for_each_slot(r, lo, n, [&](int64_t k, int64_t block, int64_t slot) {
-          s.key_rows[k] = k1.row(block, slot, h);
-          s.value_rows[k] = v.row(block, slot, h);
-        });
-        for (int64_t k = n; k < width; ++k) s.key_rows[k] = s.zeros.data();
-        return;
-      }
+    if (k2.dim == 0) {
+      for_each_slot(r, lo, n, [&](int64_t k, int64_t block, int64_t slot) {
+        s.cache.keys[k] = k1.row(block, slot, h);
+        s.cache.values[k] = v.row(block, slot, h);
+      });
+      for (int64_t k = n; k < width; ++k) s.cache.keys[k] = s.cache.zeros.data();
+      return true;
     }
     float *keys = s.keys.data(), *values = s.values.data();
     for_each_slot(r, lo, n, [&](int64_t k, int64_t block, int64_t slot) {
       copy_to_float(k1.row(block, slot, h), k1.dim, keys + k * kdim);
-      if (k2.dim) copy_to_float(k2.row(block, slot, h), k2.dim, keys + k * kdim + k1.dim);
+      copy_to_float(k2.row(block, slot, h), k2.dim, keys + k * kdim + k1.dim);
       copy_to_float(v.row(block, slot, h), vdim, values + k * vdim);
     });
     for (int64_t k = 0; k < width; ++k) {
-      s.key_rows[k] = k < n ? keys + k * kdim : s.zeros.data();
-      s.value_rows[k] = values + k * vdim;
+      s.gathered.keys[k] = k < n ? keys + k * kdim : s.gathered.zeros.data();
+      s.gathered.values[k] = values + k * vdim;
     }
+    return false;
   }
 
   // Prefetches what tile_rows(r, h, lo, n, ...) reads, so the next tile's rows arrive while this
@@ -186,9 +190,10 @@ struct Kernel {
 
   // R rows over the keys [see_lo, see_hi) of a tile `width` keys wide (its keys rounded up to
   // KEY_STEP with zeros; only real keys are ever visible).
-  template <int R>
-  void attend_rows(const float* q_rows, int64_t kdim, Scratch& s, int64_t width, int64_t see_lo,
-                   int64_t see_hi, float* row_max, float* row_sum, float* acc) const {
+  template <int R, typename E>
+  void attend_rows(const float* q_rows, int64_t kdim, Scratch<T>& s, const E* const* values,
+                   int64_t width, int64_t see_lo, int64_t see_hi, float* row_max, float* row_sum,
+                   float* acc) const {
     static_assert(KEY_TILE == 4 * KEY_STEP, "the widths below are a tile's");
     float* scores = s.scores.data();
     const float* keys_t = s.keys_t.data();
@@ -202,17 +207,18 @@ struct Kernel {
       softmax_update(scores + r * KEY_TILE, see_lo, see_hi, row_max[r], row_sum[r],
                      acc + r * v.dim, v.dim);
     }
-    accumulate_rows<R>(scores, KEY_TILE, s.value_rows, see_lo, see_hi, v.dim, acc);
+    accumulate_rows<R>(scores, KEY_TILE, values, see_lo, see_hi, v.dim, acc);
   }
 
   // Rows [lo, hi), which all see the tile's keys [see_lo, see_hi): ROW_BLOCK at a time, so
   // each key and value loaded serves that many rows.
-  void attend_run(int64_t lo, int64_t hi, int64_t kdim, Scratch& s, int64_t width,
-                  int64_t see_lo, int64_t see_hi) const {
+  template <typename E>
+  void attend_run(int64_t lo, int64_t hi, int64_t kdim, Scratch<T>& s, const E* const* values,
+                  int64_t width, int64_t see_lo, int64_t see_hi) const {
     const int64_t vdim = v.dim;
     auto rows = [&](auto block, int64_t row) {
-      attend_rows<decltype(block)::value>(s.q.data() + row * kdim, kdim, s, width, see_lo, see_hi,
-                                          &s.row_max[row], &s.row_sum[row],
+      attend_rows<decltype(block)::value>(s.q.data() + row * kdim, kdim, s, values, width, see_lo,
+                                          see_hi, &s.row_max[row], &s.row_sum[row],
                                           s.acc.data() + row * vdim);
     };
     int64_t row = lo;
@@ -229,10 +235,10 @@ struct Kernel {
         const int64_t head = kv_head * group + g;
         float* dst = q + (i * group + g) * kdim;
         const Q* a = q1.data + (token0 + i) * q1.s0 + head * q1.s1;
-        for (int64_t d = 0; d < q1.dim; ++d) dst[d] = to_float(a[d]) * batch.scale;
+        for (int64_t d = 0; d < q1.dim; ++d) dst[d] = widen(a[d]) * batch.scale;
         if (q2.dim) {
           const Q* b = q2.data + (token0 + i) * q2.s0 + head * q2.s1;
-          for (int64_t d = 0; d < q2.dim; ++d) dst[q1.dim + d] = to_float(b[d]) * batch.scale;
+          for (int64_t d = 0; d < q2.dim; ++d) dst[q1.dim + d] = widen(b[d]) * batch.scale;
         }
       }
     }
@@ -240,7 +246,7 @@ struct Kernel {
 
   // One work item; `next` (or null) is the item this thread runs after it, whose first tile
   // is prefetched during this one's last.
-  void run(const Work& work, int64_t kv_head, Scratch& s, const Work* next,
+  void run(const Work& work, int64_t kv_head, Scratch<T>& s, const Work* next,
            int64_t next_head) const {
     const int64_t group = batch.num_heads / batch.num_kv_heads;
     const int64_t rows = work.num_tokens * group;
@@ -258,7 +264,8 @@ struct Kernel {
     s.keys_t.resize(KEY_TILE * kdim);
     s.values.resize(KEY_TILE * vdim);
     s.scores.resize(ROW_BLOCK * KEY_TILE);
-    s.zeros.assign(kdim, 0.f);
+    s.cache.zeros.assign(kdim, T(0.f));
+    s.gathered.zeros.assign(kdim, 0.f);
     load_queries(work, kv_head, group, token0, s.q.data());
 
     TORCH_CHECK(end_key <= batch.block_table_columns * batch.block_size,
@@ -268,7 +275,7 @@ struct Kernel {
     for (int64_t lo = first_key; lo < end_key; lo += KEY_TILE) {
       const int64_t n = std::min(KEY_TILE, end_key - lo);
       const int64_t width = (n + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
-      tile_rows(r, kv_head, lo, n, width, s);
+      const bool in_place = tile_rows(r, kv_head, lo, n, width, s);
       if (lo + KEY_TILE < end_key) {
         prefetch(r, kv_head, lo + KEY_TILE, std::min(KEY_TILE, end_key - lo - KEY_TILE));
       } else if (next != nullptr) {
@@ -276,17 +283,10 @@ struct Kernel {
         prefetch(next->request, next_head, after.first_key,
                  std::min(KEY_TILE, after.end_key - after.first_key));
       }
-      transpose_keys(s.key_rows, width, kdim, s.keys_t.data());
-      // Consecutive tokens that see the same keys of the tile (all of it, before the causal
-      // diagonal) form one run of rows: token i's rows are [i * group, (i + 1) * group).
-      for (int64_t i = 0; i < work.num_tokens;) {
-        const auto [see_lo, see_hi] = visible(first_pos + i, lo, n);
-        int64_t j = i + 1;
-        while (j < work.num_tokens && visible(first_pos + j, lo, n) == std::pair{see_lo, see_hi}) ++j;
-        if (see_lo < see_hi) {
-          attend_run(i * group, j * group, kdim, s, width, see_lo, see_hi);
-        }
-        i = j;
+      if (in_place) {
+        attend_tile(s.cache, s, work.num_tokens, group, first_pos, lo, n, width, kdim);
+      } else {
+        attend_tile(s.gathered, s, work.num_tokens, group, first_pos, lo, n, width, kdim);
       }
     }
 
@@ -298,6 +298,25 @@ struct Kernel {
         const float inv = s.row_sum[row] > 0.f ? 1.f / s.row_sum[row] : 0.f;
         for (int64_t d = 0; d < vdim; ++d) dst[d] = from_float<Q>(s.acc[row * vdim + d] * inv);
       }
+    }
+  }
+
+  // An item's rows (`tokens` tokens from position first_pos) over the tile [lo, lo + n), `width`
+  // keys wide: the keys transposed, then consecutive tokens that see the same keys of the tile
+  // (all of it, before the causal diagonal) as one run of rows (token i's: [i * group,
+  // (i + 1) * group)).
+  template <typename E>
+  void attend_tile(const TileRows<E>& tile, Scratch<T>& s, int64_t tokens, int64_t group,
+                   int64_t first_pos, int64_t lo, int64_t n, int64_t width, int64_t kdim) const {
+    transpose_keys(tile.keys, width, kdim, s.keys_t.data());
+    for (int64_t i = 0; i < tokens;) {
+      const auto [see_lo, see_hi] = visible(first_pos + i, lo, n);
+      int64_t j = i + 1;
+      while (j < tokens && visible(first_pos + j, lo, n) == std::pair{see_lo, see_hi}) ++j;
+      if (see_lo < see_hi) {
+        attend_run(i * group, j * group, kdim, s, tile.values, width, see_lo, see_hi);
+      }
+      i = j;
     }
   }
 
@@ -378,7 +397,7 @@ void paged_attention(const at::Tensor& query, const std::optional<at::Tensor>& q
                                  k2, cache_of<scalar_t>(value_cache), out.data_ptr<Q>(),
                                  out.stride(0), out.stride(1)};
       at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-        Scratch scratch;  // one per thread's share: buffers reused across its items
+        Scratch<scalar_t> scratch;  // one per thread's share: buffers reused across its items
         const int64_t heads = batch.num_kv_heads;
         for (int64_t item = begin; item < end; ++item) {
           const Work* next = item + 1 < end ? &work[(item + 1) / heads] : nullptr;

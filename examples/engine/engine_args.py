@@ -27,6 +27,7 @@ from torch import nn
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 from kvgraph.huge_pages import use_huge_pages
+from kvgraph.malloc_policy import keep_freed_memory
 from kvgraph.packed_linear import pack_linear_weights
 from kvgraph.small_batch_linear import use_small_batch_linear
 
@@ -84,12 +85,17 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                        help="on the CPU, pack linear weights once at load: bf16 in kvgraph's "
                        "tile layout where the processor has AVX512-BF16, else bf16/fp16 for "
-                       "oneDNN, and fp32 for oneDNN on AMD processors with AVX-512; other fp32 "
-                       "linears run a decode step's few rows (16 with AVX-512, 48 with AVX2) in "
-                       "kvgraph's small-batch kernel (kvgraph.packed_linear)")
+                       "oneDNN, and fp32 in kvgraph's fp32 tiles on AMD processors with "
+                       "AVX-512; other fp32 linears run a decode step's few rows (16 with "
+                       "AVX-512, 48 with AVX2) in kvgraph's small-batch kernel "
+                       "(kvgraph.packed_linear)")
     group.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                        help="on the CPU, move the weights into memory backed by transparent huge "
                        "pages once at load, where Linux gives them (kvgraph.huge_pages)")
+    group.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction,
+                       default=True, help="on the CPU, after loading, have glibc's malloc keep "
+                       "the memory steps free, so their tensors reuse pages already faulted in "
+                       "(kvgraph.malloc_policy)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
@@ -203,6 +209,8 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
         use_small_batch_linear(model)
     if args.huge_pages and torch.device(device).type == "cpu":  # after packing: the final bytes
         use_huge_pages(model)
+    if args.keep_freed_memory and torch.device(device).type == "cpu":  # after the load's copies
+        keep_freed_memory()
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)

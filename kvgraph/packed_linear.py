@@ -184,8 +184,8 @@ def cpu_vendor(cpuinfo: Path | None = None) -> str:
 def packed_dtypes() -> tuple[torch.dtype, ...]:
     """The dtypes `pack_linear_weights` packs by default here: bf16 and fp16 (their plain matmul
     repacks the weight on every call), and fp32 on an AMD processor with AVX-512. On a Zen 4
-    kvgraph's fp32 tiles beat oneDNN's packed fp32 linear up to 64 rows (0.51x its time at 1
-    row, 0.86x at 16) and matched it at prefill sizes, and oneDNN's beat both MKL's sgemm and
+    kvgraph's fp32 tiles beat oneDNN's packed fp32 linear up to 64 rows (0.49x its time at 1
+    row, 0.88x at 16) and matched it at prefill sizes, and oneDNN's beat both MKL's sgemm and
     kvgraph's small-batch kernel at every batch size, where on an Intel Xeon oneDNN's lost to
     both at a decode step's rows and the tiles have not run (README, "fp32 linears"): a rule
     from the processors measured, not a law."""

@@ -14,8 +14,9 @@
 // "fp32 linears"): 4 rows a group with 64-row chunks and 16-row items took 1.25x oneDNN's time
 // at 1024 rows; six, 256 and 24 level with it.
 // While the second group of rows works from L2, the next chunk's weights are asked for, so a
-// decode step's first group does not wait on memory alone (A/B on the Zen 4, one thread, 16
-// rows over the small Llama's weights: fp32 0.90x the time, bf16 0.87x).
+// decode step's first group does not wait on memory alone (items of up to PASS_ROWS rows; A/B
+// on the Zen 4, one thread, 16 rows over the small Llama's weights: fp32 0.90x the time, bf16
+// 0.87x).
 
 #pragma once
 
@@ -191,14 +192,15 @@ void tile_matmul(const typename Step::Input* x, int64_t ldx, int64_t M,
       const int64_t b0 = pass * PASS_BLOCKS;
       const Input *blocks[PASS_BLOCKS], *next[PASS_BLOCKS];
       pass_blocks(pass, blocks);
-      // After the last chunk comes the next item's pass (the same one while rows remain).
-      const bool next_pass = item + 1 < end && (item + 1) / groups != pass;
-      if (next_pass) pass_blocks((item + 1) / groups, next);
+      // Only a decode step's few rows (one group of items) ask ahead: with more, a pass's later
+      // items find its weights in L2 already. After the last chunk comes the next pass.
+      const bool ask_ahead = groups == 1, next_pass = ask_ahead && item + 1 < end;
+      if (next_pass) pass_blocks(item + 1, next);
       for (int64_t lo = 0; lo < steps; lo += CHUNK_STEPS) {
         const int64_t hi = std::min(steps, lo + CHUNK_STEPS);
         const Input* following[PASS_BLOCKS];
         const Input* const* ahead = nullptr;
-        if (hi < steps) {
+        if (ask_ahead && hi < steps) {
           for (int64_t j = 0; j < PASS_BLOCKS; ++j) following[j] = blocks[j] + hi * ROW_ELEMS;
           ahead = following;
         } else if (next_pass) {

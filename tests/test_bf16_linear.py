@@ -1,7 +1,7 @@
 """kvgraph's bf16 tile kernel (`kvgraph_cpu::bf16_linear`, bf16_linear.cpp) and the tile layout
 `pack_weight` gives bf16 weights where the processor has AVX512-BF16: the float64 product for
 every path (dot products up to 4 rows, one AMX row tile up to 16, 32-row blocks past it, chunks
-past 256; without AMX dot products for all: 6 rows at a time, 24 an item, 256 pairs of inputs a
+past 256; without AMX dot products for all: 6 rows at a time, 48 an item, 512 pairs of inputs a
 chunk), bias, strided and 3-D inputs, the layout itself, clear errors, and which weights take
 it."""
 
@@ -17,7 +17,7 @@ from tests.scenario import make_model
 pytestmark = pytest.mark.skipif(
     not bf16_tiles_usable(), reason="no AVX512-BF16 here, or kvgraph's CPU kernels cannot be built")
 
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 23, 24, 25, 31, 32, 33, 100, 300]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 23, 24, 25, 31, 32, 33, 47, 48, 49, 100, 300]
 
 
 def _close_to_float64(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

@@ -8,11 +8,13 @@
 // x and multiply-adds it into 16 outputs' sums per block.
 //
 // A work item is up to PASS_ROWS rows of x against one pass of four column blocks (64 outputs),
-// in chunks of CHUNK_STEPS weight rows (64 KB of a pass, read from L2 by each group of rows
-// after the first); MICRO_ROWS rows at a time keep 24 sums in registers, each weight load
+// in chunks of CHUNK_STEPS weight rows (128 KB of a pass in fp32, read from L2 by each group of
+// rows after the first); MICRO_ROWS rows at a time keep 24 sums in registers, each weight load
 // feeding six multiply-adds. Measured against oneDNN's packed fp32 linear on a Zen 4 (README,
 // "fp32 linears"): 4 rows a group with 64-row chunks and 16-row items took 1.25x oneDNN's time
-// at 1024 rows; six, 256 and 24 level with it.
+// at 1024 rows; six, 256 and 24 ~1.02x; six, 512 and 48 (each chunk's sums stored and reloaded
+// half as often, each pass's weights read from L2 by twice the rows) 0.98x the 256-and-24 time
+// in fp32 and bf16 (A/B, one thread, the small Llama's weights; level at 4096-wide weights).
 // While the second group of rows works from L2, the next chunk's weights are asked for, so a
 // decode step's first group does not wait on memory alone (items of up to PASS_ROWS rows; A/B
 // on the Zen 4, one thread, 16 rows over the small Llama's weights: fp32 0.90x the time, bf16
@@ -33,9 +35,9 @@ namespace kvgraph_tiles {
 constexpr int64_t BLOCK = 16;        // outputs per column block
 constexpr int64_t PASS_BLOCKS = 4;   // column blocks streamed together
 constexpr int64_t PASS_OUTPUTS = PASS_BLOCKS * BLOCK;
-constexpr int64_t PASS_ROWS = 24;    // rows of x in one work item (its sums' buffer)
+constexpr int64_t PASS_ROWS = 48;    // rows of x in one work item (its sums' buffer)
 constexpr int MICRO_ROWS = 6;        // rows of x whose sums stay in registers together
-constexpr int64_t CHUNK_STEPS = 256;  // weight rows per chunk
+constexpr int64_t CHUNK_STEPS = 512;  // weight rows per chunk
 
 // fp32: one input per weight row.
 struct Fp32Step {

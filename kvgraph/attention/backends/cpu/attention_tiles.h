@@ -186,8 +186,8 @@ inline void transpose_8x8(const E* const* rows, int64_t d0, float* dst, int64_t 
 }
 #endif
 
-// keys_t[d][k] = keys[k][d] (as fp32) for n keys of kdim, each key a row of its own (in the
-// cache, or gathered): blocks in registers (16x16 with AVX-512, 8x8 with AVX2), element by
+// keys_t[d][k] = keys[k][d] (as fp32) for n keys of kdim, each key a row of its own (where the
+// cache holds it): blocks in registers (16x16 with AVX-512, 8x8 with AVX2), element by
 // element for the rest (and elsewhere).
 template <typename E>
 inline void transpose_keys(const E* const* keys, int64_t n, int64_t kdim, float* keys_t) {

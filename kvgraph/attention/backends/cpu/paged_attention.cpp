@@ -6,8 +6,8 @@
 // Work is split over (request, block of QUERY_TILE query tokens, KV head) with at::parallel_for.
 // Each item keeps one row per (token, query head of the KV head's group) and walks the keys it
 // needs once, KEY_TILE at a time, with an online softmax: a tile's keys and values are read
-// in place (a row pointer per key, through the block table; MLA's two key parts are gathered
-// into fp32 rows instead), widened to fp32 as they are loaded; the keys are transposed, then
+// in place (a row pointer per key and key part, through the block table), widened to fp32 as
+// they are loaded; the keys are transposed (MLA's two parts into one fp32 block), then
 // shared by every row, ROW_BLOCK rows per pass (GQA's heads and prefill's tokens reuse
 // each key that way); scores are computed across the tile's keys so the inner loops vectorise
 // without horizontal sums (the tile arithmetic: attention_tiles.h). Queries and outputs are
@@ -73,12 +73,6 @@ inline void prefetch_row(const T* p, int64_t n) {
   for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
 }
 
-template <typename T>
-inline void copy_to_float(const T* src, int64_t n, float* dst) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = widen(src[d]);
-}
-
 struct Work {
   int64_t request, first_token, num_tokens;
 };
@@ -93,11 +87,12 @@ struct Batch {
   float scale;
 };
 
-// A tile's keys and values, a row each; keys past the tile's real ones (up to its width) point
-// at zeros.
+// A tile's keys (and MLA's second key part, its rope keys) and values, a row each, where the
+// cache holds them; keys past the tile's real ones (up to its width) point at zeros.
 template <typename E>
 struct TileRows {
   const E* keys[KEY_TILE];
+  const E* keys2[KEY_TILE];
   const E* values[KEY_TILE];
   std::vector<E> zeros;
 };
@@ -106,9 +101,8 @@ struct TileRows {
 // rows, kept by a thread across its items so each item does not allocate its own.
 template <typename T>
 struct Scratch {
-  std::vector<float> q, acc, row_max, row_sum, keys, keys_t, values, scores;
-  TileRows<T> cache;         // the cache's own rows
-  TileRows<float> gathered;  // rows of keys, values (MLA's two key parts)
+  std::vector<float> q, acc, row_max, row_sum, keys_t, scores;
+  TileRows<T> tile;
 };
 
 // T: the caches' dtype; Q: the queries' and output's (float, or T itself).
@@ -134,31 +128,16 @@ struct Kernel {
     }
   }
 
-  // The tile [lo, lo + n) of request r, kv head h, `width` keys wide: the cache's own rows in
-  // s.cache (true), or, with two key parts, rows gathered into s.keys [n][kdim] and s.values
-  // [n][vdim] as fp32, in s.gathered (false).
-  bool tile_rows(int64_t r, int64_t h, int64_t lo, int64_t n, int64_t width,
+  // The rows of the tile [lo, lo + n) of request r, kv head h, `width` keys wide, in s.tile.
+  void tile_rows(int64_t r, int64_t h, int64_t lo, int64_t n, int64_t width,
                  Scratch<T>& s) const {
-    const int64_t kdim = k1.dim + k2.dim, vdim = v.dim;
-    if (k2.dim == 0) {
-      for_each_slot(r, lo, n, [&](int64_t k, int64_t block, int64_t slot) {
-        s.cache.keys[k] = k1.row(block, slot, h);
-        s.cache.values[k] = v.row(block, slot, h);
-      });
-      for (int64_t k = n; k < width; ++k) s.cache.keys[k] = s.cache.zeros.data();
-      return true;
-    }
-    float *keys = s.keys.data(), *values = s.values.data();
+    TileRows<T>& tile = s.tile;
     for_each_slot(r, lo, n, [&](int64_t k, int64_t block, int64_t slot) {
-      copy_to_float(k1.row(block, slot, h), k1.dim, keys + k * kdim);
-      copy_to_float(k2.row(block, slot, h), k2.dim, keys + k * kdim + k1.dim);
-      copy_to_float(v.row(block, slot, h), vdim, values + k * vdim);
+      tile.keys[k] = k1.row(block, slot, h);
+      if (k2.dim) tile.keys2[k] = k2.row(block, slot, h);
+      tile.values[k] = v.row(block, slot, h);
     });
-    for (int64_t k = 0; k < width; ++k) {
-      s.gathered.keys[k] = k < n ? keys + k * kdim : s.gathered.zeros.data();
-      s.gathered.values[k] = values + k * vdim;
-    }
-    return false;
+    for (int64_t k = n; k < width; ++k) tile.keys[k] = tile.keys2[k] = tile.zeros.data();
   }
 
   // Prefetches what tile_rows(r, h, lo, n, ...) reads, so the next tile's rows arrive while this
@@ -190,8 +169,8 @@ struct Kernel {
 
   // R rows over the keys [see_lo, see_hi) of a tile `width` keys wide (its keys rounded up to
   // KEY_STEP with zeros; only real keys are ever visible).
-  template <int R, typename E>
-  void attend_rows(const float* q_rows, int64_t kdim, Scratch<T>& s, const E* const* values,
+  template <int R>
+  void attend_rows(const float* q_rows, int64_t kdim, Scratch<T>& s, const T* const* values,
                    int64_t width, int64_t see_lo, int64_t see_hi, float* row_max, float* row_sum,
                    float* acc) const {
     static_assert(KEY_TILE == 4 * KEY_STEP, "the widths below are a tile's");
@@ -212,8 +191,7 @@ struct Kernel {
 
   // Rows [lo, hi), which all see the tile's keys [see_lo, see_hi): ROW_BLOCK at a time, so
   // each key and value loaded serves that many rows.
-  template <typename E>
-  void attend_run(int64_t lo, int64_t hi, int64_t kdim, Scratch<T>& s, const E* const* values,
+  void attend_run(int64_t lo, int64_t hi, int64_t kdim, Scratch<T>& s, const T* const* values,
                   int64_t width, int64_t see_lo, int64_t see_hi) const {
     const int64_t vdim = v.dim;
     auto rows = [&](auto block, int64_t row) {
@@ -260,12 +238,9 @@ struct Kernel {
     s.acc.assign(rows * vdim, 0.f);
     s.row_max.assign(rows, -std::numeric_limits<float>::infinity());
     s.row_sum.assign(rows, 0.f);
-    s.keys.resize(KEY_TILE * kdim);
     s.keys_t.resize(KEY_TILE * kdim);
-    s.values.resize(KEY_TILE * vdim);
     s.scores.resize(ROW_BLOCK * KEY_TILE);
-    s.cache.zeros.assign(kdim, T(0.f));
-    s.gathered.zeros.assign(kdim, 0.f);
+    s.tile.zeros.assign(std::max(k1.dim, k2.dim), T(0.f));
     load_queries(work, kv_head, group, token0, s.q.data());
 
     TORCH_CHECK(end_key <= batch.block_table_columns * batch.block_size,
@@ -275,7 +250,7 @@ struct Kernel {
     for (int64_t lo = first_key; lo < end_key; lo += KEY_TILE) {
       const int64_t n = std::min(KEY_TILE, end_key - lo);
       const int64_t width = (n + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
-      const bool in_place = tile_rows(r, kv_head, lo, n, width, s);
+      tile_rows(r, kv_head, lo, n, width, s);
       if (lo + KEY_TILE < end_key) {
         prefetch(r, kv_head, lo + KEY_TILE, std::min(KEY_TILE, end_key - lo - KEY_TILE));
       } else if (next != nullptr) {
@@ -283,11 +258,7 @@ struct Kernel {
         prefetch(next->request, next_head, after.first_key,
                  std::min(KEY_TILE, after.end_key - after.first_key));
       }
-      if (in_place) {
-        attend_tile(s.cache, s, work.num_tokens, group, first_pos, lo, n, width, kdim);
-      } else {
-        attend_tile(s.gathered, s, work.num_tokens, group, first_pos, lo, n, width, kdim);
-      }
+      attend_tile(s, work.num_tokens, group, first_pos, lo, n, width, kdim);
     }
 
     for (int64_t i = 0; i < work.num_tokens; ++i) {
@@ -302,13 +273,14 @@ struct Kernel {
   }
 
   // An item's rows (`tokens` tokens from position first_pos) over the tile [lo, lo + n), `width`
-  // keys wide: the keys transposed, then consecutive tokens that see the same keys of the tile
-  // (all of it, before the causal diagonal) as one run of rows (token i's: [i * group,
-  // (i + 1) * group)).
-  template <typename E>
-  void attend_tile(const TileRows<E>& tile, Scratch<T>& s, int64_t tokens, int64_t group,
-                   int64_t first_pos, int64_t lo, int64_t n, int64_t width, int64_t kdim) const {
-    transpose_keys(tile.keys, width, kdim, s.keys_t.data());
+  // keys wide: the keys transposed (a second key part below the first), then consecutive
+  // tokens that see the same keys of the tile (all of it, before the causal diagonal) as one
+  // run of rows (token i's: [i * group, (i + 1) * group)).
+  void attend_tile(Scratch<T>& s, int64_t tokens, int64_t group, int64_t first_pos, int64_t lo,
+                   int64_t n, int64_t width, int64_t kdim) const {
+    const TileRows<T>& tile = s.tile;
+    transpose_keys(tile.keys, width, k1.dim, s.keys_t.data());
+    if (k2.dim) transpose_keys(tile.keys2, width, k2.dim, s.keys_t.data() + k1.dim * width);
     for (int64_t i = 0; i < tokens;) {
       const auto [see_lo, see_hi] = visible(first_pos + i, lo, n);
       int64_t j = i + 1;

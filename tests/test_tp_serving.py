@@ -302,15 +302,19 @@ def token_ids(stdout: str) -> list[list[int]]:
 
 
 GENERATE = [sys.executable, "examples/generate.py", *FLAGS, "--max-new-tokens", "6"]
+# The scripts import kvgraph from this checkout whether or not it is installed.
+SCRIPT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 @pytest.mark.slow
 def test_torchrun_with_two_processes_generates_the_tokens_of_one():
-    one = subprocess.run(GENERATE, cwd=REPO, capture_output=True, text=True, timeout=300)
+    one = subprocess.run(GENERATE, cwd=REPO, env=SCRIPT_ENV, capture_output=True, text=True,
+                         timeout=300)
     assert one.returncode == 0, one.stderr
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", *GENERATE[1:], "--tensor-parallel-size", "2"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env=SCRIPT_ENV, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr
     assert "on 2 tensor-parallel ranks" in two.stdout
     assert token_ids(two.stdout) == token_ids(one.stdout) and len(token_ids(one.stdout)) == 4
@@ -343,7 +347,7 @@ def test_a_dead_worker_stops_the_server_saying_which(tmp_path):
     with open(log, "w") as out:
         server = subprocess.Popen(
             [sys.executable, "examples/serve.py", *FLAGS, "--tensor-parallel-size", "2",
-             "--port", str(port)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+             "--port", str(port)], cwd=REPO, env=SCRIPT_ENV, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 240

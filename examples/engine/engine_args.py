@@ -56,6 +56,13 @@ DEFAULT_TOKEN_BUDGET = 128
 # benchmarks/engine_graph_modes.py; README, "Graph modes against eager on the CPU"), for a
 # cold compile ~1.35x piecewise's (warm: equal).
 DEFAULT_GRAPH_MODES = {"cpu": kvgraph.GraphMode.FULL}
+# Device types whose default capture sizes (neither --capture-sizes nor KVGRAPH_CAPTURE_SIZES
+# said) stop at --max-num-seqs, a decode step's largest batch. A CPU graph saves no launches
+# (its replay reruns the compiled forward and copies the outputs), so larger steps lose nothing
+# running that forward without graphs (and without padding to a size), while capturing them
+# made start-up several times longer (README, "Capture sizes on the CPU"). Decode sizes stay
+# captured, so serving keeps the graph contract's path that devices run.
+DECODE_CAPTURE_ONLY = ("cpu",)
 # Context when neither --max-model-len nor a smaller max_position_embeddings says.
 DEFAULT_MAX_MODEL_LEN = 1024
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -119,6 +126,10 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
         if action.dest == "graph_mode":
             action.help = ("which parts of a forward run as captured graphs (default: full on "
                            "the CPU, piecewise elsewhere)")
+        if action.dest == "capture_sizes":
+            action.help = ("comma-separated token counts to capture graphs for (default: 1, 2, "
+                           "4, then steps of 8 up to 512 or --max-num-tokens; on the CPU only "
+                           "those up to --max-num-seqs; 'auto': the full list)")
     return parser
 
 
@@ -174,7 +185,17 @@ def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
     if (args.graph_mode is None and "KVGRAPH_GRAPH_MODE" not in os.environ
             and device_type in DEFAULT_GRAPH_MODES):
         config = config.replace(graph_mode=DEFAULT_GRAPH_MODES[device_type])
+    if (args.capture_sizes is None and "KVGRAPH_CAPTURE_SIZES" not in os.environ
+            and device_type in DECODE_CAPTURE_ONLY):
+        config = config.replace(capture_sizes=decode_capture_sizes(config, args.max_num_seqs))
     return config
+
+
+def decode_capture_sizes(config: kvgraph.CompilationConfig, max_num_seqs: int
+                         ) -> tuple[int, ...]:
+    """kvgraph's default capture sizes up to `max_num_seqs`, which is one of them."""
+    largest = min(max_num_seqs, max(config.capture_size_list))
+    return tuple(sorted({s for s in config.capture_size_list if s <= largest} | {largest}))
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ logger = logging.getLogger(__name__)
 # Tokens per step when neither --max-num-tokens nor KVGRAPH_MAX_NUM_TOKENS says, by device type.
 # On the CPU, prefill throughput (small Llama, piecewise; benchmarks/token_budget.py) rises to
 # 1024 tokens per step, 2-7% over 512's, and no further at 2048, while the longest step a
-# decoding request waits through grows with the budget (1.4x 512's at 1024). Steps above 512
-# tokens run without graphs, as on every device.
+# decoding request waits through grows with the budget (1.4x 512's at 1024). Steps above the
+# capture sizes run without graphs (see DECODE_CAPTURE_ONLY).
 DEFAULT_TOKEN_BUDGETS = {"cpu": 1024}
 # Elsewhere (not yet measured): small enough that capturing every size stays quick.
 DEFAULT_TOKEN_BUDGET = 128

@@ -70,7 +70,8 @@ Cache<T> cache_of(const at::Tensor& t) {
 template <typename T>
 inline void prefetch_row(const T* p, int64_t n) {
   const char* bytes = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < n * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(bytes + b);
+  const int64_t size = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < size; b += 64) __builtin_prefetch(bytes + b);
 }
 
 struct Work {
@@ -200,7 +201,9 @@ struct Kernel {
                                           s.acc.data() + row * vdim);
     };
     int64_t row = lo;
-    for (; row + ROW_BLOCK <= hi; row += ROW_BLOCK) rows(std::integral_constant<int, ROW_BLOCK>{}, row);
+    for (; row + ROW_BLOCK <= hi; row += ROW_BLOCK) {
+      rows(std::integral_constant<int, ROW_BLOCK>{}, row);
+    }
     if (row + 2 <= hi) rows(std::integral_constant<int, 2>{}, row), row += 2;
     if (row < hi) rows(std::integral_constant<int, 1>{}, row);
   }

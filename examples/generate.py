@@ -24,6 +24,8 @@ import sys
 import time
 from typing import Sequence
 
+from kvgraph.inspect import units
+
 if __package__:
     from .engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
                          build_engine, run_if_worker)
@@ -84,7 +86,7 @@ def report(engine: LLMEngine, summary: dict, args: argparse.Namespace) -> None:
           f"{f' on {ranks} tensor-parallel ranks' if ranks > 1 else ''}: compiled, then captured "
           f"{summary['descriptors']} batch descriptors ({summary['graphs']} graphs: one per "
           f"piece of each) in {summary['seconds']:.1f} s; they hold "
-          f"{summary['graph_bytes'] / 2**20:.1f} MiB; {summary['threads']} compute "
+          f"{units.size(summary['graph_bytes'])}; {summary['threads']} compute "
           f"thread{'' if summary['threads'] == 1 else 's'}{' per rank' if ranks > 1 else ''} "
           "(--threads)")
 

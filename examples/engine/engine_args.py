@@ -27,6 +27,7 @@ from torch import nn
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 from kvgraph.huge_pages import use_huge_pages
+from kvgraph.inspect import units
 from kvgraph.malloc_policy import keep_freed_memory
 from kvgraph.packed_linear import pack_linear_weights
 from kvgraph.small_batch_linear import use_small_batch_linear
@@ -288,9 +289,9 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
                "num_blocks_why": built.sizing.why, "tensor_parallel_size": world_size,
                "threads": built.threads}
     logger.info("engine ready in %.1f s: graph mode %s, %d descriptors captured (%d graphs, "
-                "%.1f MiB), %d pieces built in %.1f s%s", summary["seconds"],
+                "%s), %d pieces built in %.1f s%s", summary["seconds"],
                 summary["graph_mode"], summary["descriptors"], summary["graphs"],
-                summary["graph_bytes"] / 2**20, summary["compile"]["builds"],
+                units.size(summary["graph_bytes"]), summary["compile"]["builds"],
                 summary["compile"]["compile_seconds"],
                 f", on each of {world_size} tensor-parallel ranks" if world_size > 1 else "")
     return engine, summary

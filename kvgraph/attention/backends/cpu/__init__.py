@@ -48,7 +48,9 @@ def _register_fakes() -> None:
 
 def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write `rows[i]` (`[T, ...]`) into slot `slot_mapping[i]` of `cache`; -1 writes nothing."""
-    rows = rows.reshape(rows.shape[0], -1).to(cache.dtype)  # a view for a slice of fused qkv
+    rows = rows.reshape(rows.shape[0], -1)  # a view for a slice of fused qkv
+    if rows.dtype != cache.dtype:  # each skipped no-op call saves ~1 us of dispatch a layer
+        rows = rows.to(cache.dtype)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     torch.ops.kvgraph_cpu.write_cache(rows, cache, slot_mapping)
@@ -56,7 +58,8 @@ def write_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tens
 
 def _query_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` as the kernel reads it: `dtype` with a contiguous last dim (no copy when it is)."""
-    x = x.to(dtype)
+    if x.dtype != dtype:
+        x = x.to(dtype)
     return x if x.stride(-1) == 1 else x.contiguous()
 
 

@@ -176,8 +176,8 @@ def load_model(args: argparse.Namespace, models: Mapping[str, Any],
 
 
 def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
-    """kvgraph's flags and environment, with this engine's default token budget and graph mode
-    for the device."""
+    """kvgraph's flags and environment, with this engine's default token budget, graph mode
+    and capture sizes for the device."""
     config = kvgraph.CompilationConfig.from_cli_args(args)
     device_type = args.device.split(":")[0]
     if args.max_num_tokens is None and "KVGRAPH_MAX_NUM_TOKENS" not in os.environ:

@@ -4,10 +4,9 @@
 // Why: on an AMD Zen 4, oneDNN's packed fp32 linear (the fastest of torch's) reads a decode
 // step's weights at half the speed memory allows (one row: 8.4 ms for the small Llama's 98 MB,
 // this kernel 4.1 ms; README, "fp32 linears"), and torch's call into it costs ~15 us before any
-// arithmetic. The layout
-// is an ordinary fp32 tensor [N / 16, K, 16]: element (b, k, j) is weight[16 b + j][k], so each
-// input's weights for 16 outputs are one 64-byte row. N must be a multiple of 16; Python packs
-// only such weights.
+// arithmetic. The layout is an ordinary fp32 tensor [N / 16, K, 16]: element (b, k, j) is
+// weight[16 b + j][k], so each input's weights for 16 outputs are one 64-byte row. N must be a
+// multiple of 16; Python packs only such weights.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>

@@ -175,7 +175,7 @@ void tile_matmul(const typename Step::Input* x, int64_t ldx, int64_t M,
   using Input = typename Step::Input;
   if (M == 0) return;
   constexpr int64_t ROW_ELEMS = 64 / sizeof(Input);
-  const int64_t block_elems = steps * (64 / sizeof(Input));
+  const int64_t block_elems = steps * ROW_ELEMS;
   const int64_t num_blocks = (N + BLOCK - 1) / BLOCK;
   const int64_t passes = (num_blocks + PASS_BLOCKS - 1) / PASS_BLOCKS;
   const int64_t groups = (M + PASS_ROWS - 1) / PASS_ROWS;

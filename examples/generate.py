@@ -29,12 +29,12 @@ from kvgraph.inspect import units
 if __package__:
     from .engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
                          build_engine, run_if_worker)
-    from .engine.engine_args import positive_int
+    from .engine.flag_types import float_in, int_in, positive_int
     from .models import DeepseekMLA, Llama
 else:  # run as `python examples/generate.py`: this folder, not the repo root, is on sys.path
     from engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
                         build_engine, run_if_worker)
-    from engine.engine_args import positive_int
+    from engine.flag_types import float_in, int_in, positive_int
     from models import DeepseekMLA, Llama
 
 # "deepseek_mla" is the name earlier versions of this demo used.
@@ -52,9 +52,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_engine_args(parser, preset="small")
     parser.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS))
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float_in(0, sys.float_info.max), default=0.0,
+                        help="0 is greedy")
+    parser.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=0, help="0 is off")
+    parser.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=1.0)
     return parser.parse_args(argv)
 
 

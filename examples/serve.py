@@ -38,6 +38,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import signal
 import socket
 import threading
 import time
@@ -52,10 +53,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 if __package__:
     from .engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from .engine import EngineDeadError, run_if_worker
-    from .engine.burst_window import CPU_GAP_MS, burst_window
-    from .engine.engine_args import non_negative_float
+    from .engine.burst_window import CPU_GAP_MS, MAX_GAP_MS, burst_window
+    from .engine.flag_types import float_in, port, seconds
+    from .engine.liveness import DEFAULT_STUCK_STEP_S, StepWatch
     from .engine.engine_core import STARTUP_ERRORS
     from .engine.engine_process import EngineProcess, EngineStartError
+    from .engine.termination import DEFAULT_SHUTDOWN_S
     from .engine.tp_launch import torchrun_rendezvous
     from .engine.errors import ModelNotFound
     from .engine.http_answers import collect, events, merged, resume
@@ -70,10 +73,12 @@ if __package__:
 else:  # run as `python examples/serve.py`: this folder, not the repo root, is on sys.path
     from engine import AsyncEngine, RequestError, RequestFailed, RequestOutput, add_engine_args
     from engine import EngineDeadError, run_if_worker
-    from engine.burst_window import CPU_GAP_MS, burst_window
-    from engine.engine_args import non_negative_float
+    from engine.burst_window import CPU_GAP_MS, MAX_GAP_MS, burst_window
+    from engine.flag_types import float_in, port, seconds
+    from engine.liveness import DEFAULT_STUCK_STEP_S, StepWatch
     from engine.engine_core import STARTUP_ERRORS
     from engine.engine_process import EngineProcess, EngineStartError
+    from engine.termination import DEFAULT_SHUTDOWN_S
     from engine.tp_launch import torchrun_rendezvous
     from engine.errors import ModelNotFound
     from engine.http_answers import collect, events, merged, resume
@@ -144,9 +149,10 @@ def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
 
     @app.get("/health", response_model=None)
     async def health() -> dict[str, Any] | JSONResponse:
-        if engine.fatal_error is not None:
-            return JSONResponse({"status": "dead", "error": str(engine.fatal_error)},
-                                status_code=503)
+        why = engine.liveness()
+        if why is not None:
+            status = "dead" if engine.fatal_error is not None else "unhealthy"
+            return JSONResponse({"status": status, "error": why}, status_code=503)
         stats = engine.stats
         return {"status": "ok", "graph_mode": stats["runner"]["graph_mode"],
                 "running": stats["running"], "waiting": stats["waiting"],
@@ -250,17 +256,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=LIMITS)
     add_engine_args(parser, preset="small")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=port, default=8000)
     parser.add_argument("--engine-loop", choices=ENGINE_LOOPS, default="process",
                         help="where the engine steps: a process of its own (default; the server "
                         "and the engine then never wait for each other's GIL), or a thread of "
                         "the server's process (always so under torchrun)")
-    parser.add_argument("--burst-gap-ms", type=non_negative_float, metavar="MS",
+    parser.add_argument("--burst-gap-ms", type=float_in(0, MAX_GAP_MS), metavar="MS",
                         help="when a request wakes an idle engine, take the requests that "
                         "follow it each within MS of the last (for 4 gaps at most) before "
                         "stepping, so a burst is prefilled together (default: "
-                        f"{CPU_GAP_MS:g} on the CPU, 0 on an accelerator)")
+                        f"{CPU_GAP_MS:g} on the CPU, 0 on an accelerator; at most "
+                        f"{MAX_GAP_MS:g})")
+    parser.add_argument("--stuck-step-timeout", type=seconds(), metavar="SECONDS",
+                        default=DEFAULT_STUCK_STEP_S,
+                        help="/health answers 503 once one engine step has run this long "
+                        "(default %(default)g)")
+    parser.add_argument("--shutdown-timeout", type=seconds(0, 3600, low_open=False),
+                        metavar="SECONDS", default=DEFAULT_SHUTDOWN_S,
+                        help="on SIGTERM, how long requests in flight may go on before they "
+                        "fail and the server exits (default %(default)g)")
     return parser.parse_args(argv)
+
+
+class Terminated(Exception):
+    """SIGTERM reached the server: stop as after Ctrl-C."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -269,15 +292,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     worker_exit = run_if_worker(args, MODELS)  # under torchrun, ranks > 0 follow rank 0 here
     if worker_exit is not None:
         raise SystemExit(worker_exit)
+    # uvicorn takes SIGTERM while it serves, shuts down, then raises the signal again: here it
+    # (or one during start-up) becomes an exception, so the `finally` below stops the engine
+    # and its ranks and the process exits 0, rather than dying of the signal on the spot.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         engine = start_engine(args)  # logs the compile and capture summary
     # Before serving: a server that cannot load or compile its model never starts.
     except (EngineStartError, *STARTUP_ERRORS) as error:
         logger.error("not serving: %s", error)
         raise SystemExit(1) from None
+    except Terminated:
+        logger.info("SIGTERM during start-up: not serving")
+        return
     try:
         fatal = serve(engine, args)
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
+    except (KeyboardInterrupt, Terminated):  # uvicorn raises them again once it has shut down
         fatal = None
     finally:
         engine.close()  # with tensor parallelism: the other ranks stop too
@@ -289,13 +319,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 def start_engine(args: argparse.Namespace) -> AsyncEngine | EngineProcess:
     """The engine the server drives, built: in a process of its own, or (`--engine-loop
     thread`, or under torchrun, where this process is rank 0) in a thread of this one."""
+    watch = StepWatch(args.stuck_step_timeout)
     if args.engine_loop == "process" and torchrun_rendezvous() is None:
-        engine = EngineProcess(args, MODELS)
+        engine = EngineProcess(args, MODELS, step_watch=watch)
         logger.info("the engine runs in process %d", engine.pid)
         return engine
     if args.engine_loop == "process":
         logger.info("under torchrun the engine runs in a thread of rank 0's process")
-    return AsyncEngine(build_engine(args, MODELS)[0], burst=burst_window(args))
+    return AsyncEngine(build_engine(args, MODELS)[0], burst=burst_window(args), step_watch=watch)
 
 
 def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace
@@ -308,8 +339,11 @@ def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace
 
     engine.on_fatal = stop_serving
     app = build_app(engine, model_name(args))
+    # Past the grace period, requests still in flight are cancelled, then the engine stops
+    # (failing any left): a stuck engine or client cannot hold the server up.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="info"))
+                                           log_level="info",
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
     # This process's start-up objects too (torch, the tokenizer, the app; the engine process
     # froze its own): one full collection of them took 152 ms, and the requests arriving
     # meanwhile reached the engine one step late (README, "Bursts of requests").

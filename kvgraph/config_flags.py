@@ -1,15 +1,19 @@
 """kvgraph's command-line flags: add_cli_args and which config field each flag sets.
 
 `CompilationConfig.from_cli_args` reads the flags back through `flag_settings`; their strings
-are parsed in kvgraph/config_sources.py and checked by the config's constructor.
+are parsed in kvgraph/config_sources.py and checked by the config's constructor. Numeric flags
+are checked as they are parsed too, by the same field checks, so argparse names the flag and
+exits before a server loads its model.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Callable
 
+from kvgraph import config_checks as checks
 from kvgraph.config import ON_COMPILE_ERROR, PIECE_COMPILERS, VERIFY_ACTIONS, GraphMode
+from kvgraph.errors import ConfigError
 
 # Flag dest -> the config field it sets; every flag defaults to None so the environment can
 # fill in.
@@ -39,12 +43,27 @@ def flag_settings(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
             for dest, field in _CLI_FIELDS.items() if getattr(args, dest, None) is not None}
 
 
+def _checked(convert: Callable[[str], Any], check: Callable[[str, Any], Any], field: str
+             ) -> Callable[[str], Any]:
+    """An argparse type: `convert` the text, then the config's own check of `field`."""
+    def parse(text: str) -> Any:
+        try:
+            return check(field, convert(text))
+        except ValueError as error:  # ConfigError is one; argparse shows this message
+            kind = "an int" if convert is int else "a number"
+            message = str(error) if isinstance(error, ConfigError) else \
+                f"expected {kind}, got {text!r}"
+            raise argparse.ArgumentTypeError(message) from None
+    return parse
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add kvgraph's flags (graph mode, sizes, cache and dump dirs) to any server's parser."""
     group = parser.add_argument_group("kvgraph", "graph compilation and capture")
     group.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
                        help="which parts of a forward run as captured graphs (default piecewise)")
-    group.add_argument("--max-num-tokens", type=int, help="largest batch, in tokens")
+    group.add_argument("--max-num-tokens", type=_checked(int, checks.token_count, "max_num_tokens"),
+                       help="largest batch, in tokens")
     group.add_argument("--capture-sizes", help="comma-separated token counts to capture graphs for")
     group.add_argument("--compile-sizes", help="comma-separated token counts to build statically")
     group.add_argument("--piece-compiler", choices=PIECE_COMPILERS,
@@ -65,12 +84,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "the same on all ranks (debugging)")
     group.add_argument("--verify", action="store_true", default=None,
                        help="check graphs against eager on the first step of each descriptor")
-    group.add_argument("--verify-every", type=int,
+    group.add_argument("--verify-every",
+                       type=_checked(int, checks.non_negative_int, "verify_every"),
                        help="with --verify, also check every N-th step (default 0: none)")
     group.add_argument("--verify-action", choices=VERIFY_ACTIONS,
                        help="a verify step that finds graphs and eager apart: warn (default) "
                             "or raise")
-    group.add_argument("--verify-tolerance", type=float,
+    group.add_argument("--verify-tolerance",
+                       type=_checked(float, checks.positive_float, "verify_tolerance"),
                        help="largest logit difference, relative to their scale, verify accepts "
                             "(default by dtype)")
     return parser

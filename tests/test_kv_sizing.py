@@ -4,6 +4,7 @@ start-up log; a size that cannot hold one sequence is refused naming the flag.""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -42,13 +43,23 @@ def test_num_blocks_overrides_a_budget_and_the_default_is_every_sequence_at_full
 @pytest.mark.parametrize("flags, message", [
     (("--kv-cache-memory", str(10 * PER_BLOCK)), "--kv-cache-memory .* gives 10 KV cache blocks, "
                                                  "fewer than the 16 one sequence"),
-    (("--num-blocks", "0"), "--num-blocks gives 0 KV cache blocks"),
+    (("--num-blocks", "3"), "--num-blocks gives 3 KV cache blocks"),
     (("--gpu-memory-utilization", "0.9"), "--gpu-memory-utilization needs a CUDA or NPU device"),
-    (("--gpu-memory-utilization", "1.5"), r"--gpu-memory-utilization must lie in \(0, 1\]"),
 ])
 def test_a_size_that_cannot_serve_is_refused_naming_the_flag(flags, message):
     with pytest.raises(ValueError, match=message):
         engine_for(*flags)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--num-blocks", "0"), r"argument --num-blocks: must lie in \[1, 2147483647\]"),
+    (("--gpu-memory-utilization", "1.5"),
+     r"argument --gpu-memory-utilization: must be a finite number in \(0, 1\]"),
+])
+def test_a_size_out_of_range_is_refused_as_the_flag_is_parsed(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*FLAGS, *flags])
+    assert re.search(message, capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("max_num_tokens, max_model_len, max_num_seqs", [

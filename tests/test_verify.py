@@ -387,3 +387,29 @@ def test_on_a_gpu_it_stays_silent_and_catches_a_broken_pass(mode, caplog):
     report = broken.stats()["verify"]
     assert report["failures"] == len(graph_keys_run(broken)) > 0
     assert all(BROKEN_LAYER in record["where"] for record in report["descriptors"].values())
+
+
+def test_raise_fails_the_steps_requests_at_once_and_the_engine_goes_on():
+    """Under load, a failing check ends every request of its step at once, without running
+    each alone (which would check, and fail, again); later requests are served."""
+    from examples.engine import LLMEngine, SamplingParams
+    from examples.engine.tokenizer import ByteTokenizer
+
+    runner = with_broken_pass(make_runner("llama", "piecewise", verify=True,
+                                          verify_action="raise"))
+    runner.capture()
+    engine = LLMEngine(runner, ByteTokenizer())
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    requests = [engine.add_request([1 + i, 2, 3], params) for i in range(4)]
+    outputs = engine.step()
+    assert sorted(o.request_id for o in outputs) == sorted(r.request_id for r in requests)
+    assert all("verify found the graphs and eager apart on this step" in o.error
+               and "VerifyError" in o.error for o in outputs)
+    assert engine.num_step_retries == 0 and not engine.has_unfinished
+    stats = engine.stats()
+    assert stats["failed"] == 4 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    # The descriptor was checked once: the same step again runs on its graphs (as verify mode
+    # does) and is answered.
+    later = engine.generate([[1 + i, 2, 3] for i in range(4)],
+                            SamplingParams(max_tokens=1, ignore_eos=True))
+    assert all(c.error is None and len(c.token_ids) == 1 for c in later)

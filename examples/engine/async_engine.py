@@ -2,7 +2,9 @@
 
 An `EngineDeadError` from a step (a tensor-parallel rank died) ends the engine: every request
 in flight, and every one added later, fails saying why; `fatal_error` holds it, and the
-`on_fatal` callback (the server's: stop serving) is called once, from the loop thread.
+`on_fatal` callback (the server's: stop serving) is called once, from the loop thread. While
+idle, the loop looks at the ranks every IDLE_CHECK_S, so a rank that dies then is found too.
+`liveness()` says why the engine cannot serve (dead, its loop gone, a step overdue) for /health.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from .burst_window import BurstWindow
 from .engine import LLMEngine
 from .errors import EngineDeadError, RequestError, RequestFailed
+from .liveness import IDLE_CHECK_S, StepWatch, check_ranks
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -25,6 +28,9 @@ logger = logging.getLogger(__name__)
 _STOP = object()  # what `_receive` makes of the stop command (None: nothing came)
 # Seconds between refreshes of the stats snapshot that HTTP threads read.
 STATS_INTERVAL = 0.25
+# Seconds `stop` waits for the loop thread to finish its step: a stuck step cannot hold up the
+# server's exit (the thread is a daemon).
+STOP_TIMEOUT_S = 10.0
 
 
 class AsyncEngine:
@@ -38,9 +44,10 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine,
                  on_fatal: Callable[[EngineDeadError], None] | None = None,
-                 burst: BurstWindow = BurstWindow()):
+                 burst: BurstWindow = BurstWindow(), step_watch: StepWatch | None = None):
         self.engine = engine
         self.burst = burst
+        self.step_watch = step_watch or StepWatch()
         self.on_fatal = on_fatal
         self.fatal_error: EngineDeadError | None = None
         self.stats: dict[str, Any] = engine.stats()  # replaced, never mutated: safe to read
@@ -59,11 +66,26 @@ class AsyncEngine:
     def stop(self) -> None:
         self._commands.put(None)
         if self._thread.is_alive():
-            self._thread.join()
+            self._thread.join(STOP_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.error("the engine loop did not stop in %.0f s (a step is stuck); leaving it",
+                         STOP_TIMEOUT_S)
 
     def close(self) -> None:
-        """Release the engine's runner (with tensor parallelism, stop the other ranks)."""
+        """Release the engine's runner (with tensor parallelism, stop the other ranks), unless
+        a step stuck on the loop thread still uses it (spawned ranks then stop at exit)."""
+        if self._thread.is_alive():
+            logger.error("not closing the runner: a step is still running on it")
+            return
         self.engine.runner.close()
+
+    def liveness(self) -> str | None:
+        """Why the engine cannot serve now (for /health), or None while it can."""
+        if self.fatal_error is not None:
+            return str(self.fatal_error)
+        if self._thread.ident is not None and not self._thread.is_alive():
+            return "the engine loop thread has stopped"
+        return self.step_watch.overdue()
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse a request that could never run (RequestError), before it is queued."""
@@ -74,6 +96,9 @@ class AsyncEngine:
         """The request's outputs, one per token; leaving early aborts it (its blocks are
         freed before the next step)."""
         def submit(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
+            if self.fatal_error is not None:  # the loop may be gone: nobody would take it
+                outputs.put_nowait(RequestFailed(f"the engine stopped: {self.fatal_error}"))
+                return
             self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, loop,
                                                  outputs))
 
@@ -82,6 +107,14 @@ class AsyncEngine:
     # --- the loop thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as error:  # noqa: BLE001 - never a silent hang: end the engine loudly
+            logger.exception("the engine loop failed")
+            self._die(EngineDeadError(f"the engine loop failed: {type(error).__name__}: "
+                                      f"{error}"))
+
+    def _loop(self) -> None:
         while True:
             # Block for a command only when there is nothing to step (or nothing can be).
             stepping = self.engine.has_unfinished and self.fatal_error is None
@@ -97,7 +130,7 @@ class AsyncEngine:
         its burst window; False when asked to stop."""
         idle = not self.engine.has_unfinished
         try:
-            command = self._commands.get(block=block)
+            command = self._next_command(block)
             while command is not None:
                 command()
                 command = self._commands.get_nowait()
@@ -110,6 +143,22 @@ class AsyncEngine:
                     return False
                 command()
         return True
+
+    def _next_command(self, block: bool) -> Callable[[], None] | None:
+        """The next command; while blocked waiting for one, look at the ranks now and then."""
+        while block:
+            try:
+                return self._commands.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                if self.fatal_error is None:
+                    self._check_ranks()
+        return self._commands.get_nowait()
+
+    def _check_ranks(self) -> None:
+        try:
+            check_ranks(self.engine.runner)
+        except EngineDeadError as error:
+            self._die(error)
 
     def _receive(self, timeout: float) -> Callable[[], None] | object | None:
         try:
@@ -139,6 +188,7 @@ class AsyncEngine:
         self.engine.abort(request_id)
 
     def _step(self) -> None:
+        self.step_watch.begin()
         try:
             outputs = self.engine.step()
         except EngineDeadError as error:
@@ -150,6 +200,8 @@ class AsyncEngine:
                 deliver(loop, stream, RequestFailed(f"engine step failed: {error}"))
                 self._abort(request_id)
             return
+        finally:
+            self.step_watch.end()
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is not None:

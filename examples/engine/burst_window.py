@@ -27,6 +27,9 @@ MAX_GAPS = 4
 # few milliseconds, so the wait would cost a lone request's time to first token as much as it
 # saves; it is off there unless asked for.
 CPU_GAP_MS = 3.0
+# The longest gap (--burst-gap-ms): a second's wait before an idle engine's first step is far
+# beyond any burst's spread, and an unbounded one (inf, 1e300) stopped the engine loop.
+MAX_GAP_MS = 1000.0
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,9 @@ class BurstWindow:
     gap_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.gap_s >= 0:  # also refuses NaN
-            raise ValueError(f"the burst window's gap must be >= 0 seconds, got {self.gap_s}")
+        if not 0 <= self.gap_s <= MAX_GAP_MS / 1000:  # also refuses NaN
+            raise ValueError(f"the burst window's gap must lie in [0, {MAX_GAP_MS / 1000:g}] "
+                             f"seconds, got {self.gap_s}")
 
     @classmethod
     def for_device(cls, device: str, gap_ms: float | None) -> BurstWindow:

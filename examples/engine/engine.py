@@ -110,7 +110,8 @@ class LLMEngine:
 
         Faults stay with their request. A batch whose model step raises runs again one request
         at a time: the requests that fail alone too end with an error, the others go on (when
-        every one fails alone, the step itself is broken and they all end, saying so). An
+        every one fails alone, the step itself is broken and they all end, saying so); a
+        verify check that fails (VerifyError) ends all of the step's requests at once. An
         error sampling or detokenizing a request ends that request only. Every request that
         ends this way frees its blocks at once. An EngineDeadError from the model step is
         raised: the engine cannot go on.
@@ -150,6 +151,11 @@ class LLMEngine:
             return list(zip(chunks, self._execute(chunks))), []
         except EngineDeadError:
             raise  # no request's fault, and no retry can help
+        except kvgraph.VerifyError as error:
+            # The step's graphs and eager parted (verify_action "raise"): the step's answer is
+            # in doubt for all its requests, and running each alone would check, and fail, again.
+            return [], [self._fail(chunk.request, "verify found the graphs and eager apart "
+                                   "on this step", error) for chunk in chunks]
         except Exception as error:  # noqa: BLE001 - whose fault it is, is found below
             logger.warning("a model step of %d requests failed (%s: %s); running each alone",
                            len(chunks), type(error).__name__, error)

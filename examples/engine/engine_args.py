@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import kvgraph
+from kvgraph.attention.metadata import MAX_SEQ_LEN
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 from kvgraph.huge_pages import use_huge_pages
 from kvgraph.inspect import units
@@ -33,6 +34,7 @@ from kvgraph.packed_linear import pack_linear_weights
 from kvgraph.small_batch_linear import use_small_batch_linear
 
 from .engine import LLMEngine
+from .flag_types import compute_threads, int_in, seconds
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
 from .startup_gc import freeze_startup_objects
 from .tokenizer import ByteTokenizer
@@ -70,6 +72,15 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
           "float16": torch.float16}
 # Seconds a rank waits for its peers in a collective (start-up included) before failing.
 DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
+# Requests in one step, at most: each holds rows in the step's buffers and the sampler's, and a
+# decode step of them all must fit the token budget (vLLM's default is 256).
+MAX_NUM_SEQS = 65536
+# Tensor-parallel ranks, at most: they run on one node (rank 0 spawns them, or torchrun does).
+MAX_TENSOR_PARALLEL = 64
+# The seed of torch's generators is an unsigned 64-bit integer; kvgraph's are signed (int64).
+MAX_SEED = 2**63 - 1
+# Sequence lengths and offsets are int32.
+LENGTHS = int_in(1, MAX_SEQ_LEN, "sequence lengths are int32")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
@@ -83,12 +94,12 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     group.add_argument("--attention-backend", help="kvgraph attention backend (default: the "
                        "device's)")
-    group.add_argument("--max-num-seqs", type=positive_int, default=16,
-                       help="most requests in one step")
-    group.add_argument("--max-model-len", type=positive_int,
+    group.add_argument("--max-num-seqs", type=int_in(1, MAX_NUM_SEQS), default=16,
+                       help=f"most requests in one step (at most {MAX_NUM_SEQS})")
+    group.add_argument("--max-model-len", type=LENGTHS,
                        help=f"longest sequence, prompt and output (default: the model's, at most "
                        f"{DEFAULT_MAX_MODEL_LEN})")
-    group.add_argument("--block-size", type=positive_int,
+    group.add_argument("--block-size", type=LENGTHS,
                        help="tokens per cache block (default: the device's, 16; 128 on an NPU)")
     group.add_argument("--pack-weights", action=argparse.BooleanOptionalAction, default=True,
                        help="on the CPU, pack linear weights once at load: bf16 in kvgraph's "
@@ -107,18 +118,20 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
-    group.add_argument("--seed", type=int, default=0, help="seeds random weights and sampling")
-    group.add_argument("--threads", type=positive_int, metavar="N",
+    group.add_argument("--seed", type=int_in(0, MAX_SEED, "torch's generators take int64"),
+                       default=0, help="seeds random weights and sampling")
+    group.add_argument("--threads", type=compute_threads, metavar="N",
                        help="torch compute threads of this process, of each rank under tensor "
                        f"parallelism (default: the usable cores less {SERVING_CORES}, shared by "
-                       "the ranks on the node, at least 1)")
+                       "the ranks on the node, at least 1; at most 4 per usable core)")
     group.add_argument("--bind-threads", action=argparse.BooleanOptionalAction, default=False,
                        help="bind the compute threads to the first usable cores, one each, as "
                        "vLLM's CPU worker does (one rank per node only; Linux)")
-    group.add_argument("--tensor-parallel-size", "-tp", type=positive_int, metavar="N",
+    group.add_argument("--tensor-parallel-size", "-tp", metavar="N",
+                       type=int_in(1, MAX_TENSOR_PARALLEL, "ranks on one node"),
                        help="ranks to shard the model over (default 1, or torchrun's WORLD_SIZE); "
                        "rank 0 spawns the others unless torchrun started them")
-    group.add_argument("--distributed-timeout", type=positive_float,
+    group.add_argument("--distributed-timeout", type=seconds(),
                        default=DEFAULT_DISTRIBUTED_TIMEOUT_S, metavar="SECONDS",
                        help="with tensor parallelism, how long a rank waits for the others (to "
                        "start, or in a collective) before failing")
@@ -132,30 +145,6 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                            "4, then steps of 8 up to 512 or --max-num-tokens; on the CPU only "
                            "those up to --max-num-seqs; 'auto': the full list)")
     return parser
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a number > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """An argparse type: a number >= 0."""
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def load_model(args: argparse.Namespace, models: Mapping[str, Any],

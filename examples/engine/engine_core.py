@@ -25,6 +25,8 @@ from kvgraph import CompileError
 from .burst_window import BurstWindow, burst_window
 from .engine import LLMEngine
 from .errors import EngineDeadError, RequestError
+from .liveness import IDLE_CHECK_S, check_ranks
+from .termination import DEFAULT_SHUTDOWN_S, ENGINE_STOP_S, defer_sigterm
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ def run_engine_core(conn: Connection, args: argparse.Namespace,
     (or FAILED, and exit 1), then serve commands until STOP or the server goes away."""
     # Ctrl-C reaches the whole process group; the server stops this process itself, in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # So may SIGTERM (termination.py): wait as long as the server may take to stop this process.
+    defer_sigterm("the engine process", getattr(args, "shutdown_timeout", DEFAULT_SHUTDOWN_S)
+                  + ENGINE_STOP_S)
     logging.basicConfig(level=logging.INFO,
                         format="%(levelname)s %(name)s [engine process]: %(message)s")
     from .engine_args import build_engine  # here: the server process never builds one
@@ -105,6 +110,8 @@ class EngineCore:
         """Apply the waiting commands (wait for the first if none is), and when they wake an
         idle engine, those that follow within its burst window; False on STOP."""
         idle = not self.engine.has_unfinished
+        while idle and not self.dead and not self.conn.poll(IDLE_CHECK_S):
+            self._check_ranks()
         while True:
             if not self._apply(self.conn.recv()):
                 return False
@@ -143,14 +150,24 @@ class EngineCore:
             logger.exception("adding request %s failed", request_id)
             self.conn.send((STEP_FAILED, [request_id], f"adding the request failed: {error}"))
 
+    def _check_ranks(self) -> None:
+        """While idle: a tensor-parallel rank that died is fatal now, not at the next step."""
+        try:
+            check_ranks(self.engine.runner)
+        except EngineDeadError as error:
+            self._die(error)
+
+    def _die(self, error: EngineDeadError) -> None:
+        logger.critical("the engine cannot go on: %s", error)
+        self.dead = True
+        self._abort_all()
+        self.conn.send((FATAL, str(error)))
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except EngineDeadError as error:
-            logger.critical("the engine cannot go on: %s", error)
-            self.dead = True
-            self._abort_all()
-            self.conn.send((FATAL, str(error)))
+            self._die(error)
             return
         except Exception as error:  # noqa: BLE001 - a bug in the engine: fail its requests
             logger.exception("engine step failed; aborting every request in flight")

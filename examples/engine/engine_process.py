@@ -7,8 +7,14 @@ the server on the core the engine's compute threads leave free (threads.py). vLL
 server from its engine core the same way. engine_core.py is the other end of the pipe.
 
 Same surface as AsyncEngine: `start`, `stop`, `close`, `check`, `generate`, `stats`, `fatal_error`,
-`on_fatal`, `tokenizer`. Start-up builds the engine in the new process and waits for it, so a
-model that cannot load or compile fails here (EngineStartError), before anything is served.
+`liveness`, `on_fatal`, `tokenizer`. Start-up builds the engine in the new process and waits for
+it, so a model that cannot load or compile fails here (EngineStartError), before anything is
+served.
+
+Nothing may stop the output thread while the server runs: a request whose client left as its
+last token arrived, or any other surprise in a message, must not end it, since every later
+request would wait forever on a thread that is gone. What cannot be handled ends the engine
+loudly instead (`_die`: requests fail, /health answers 503, the server stops).
 """
 
 from __future__ import annotations
@@ -20,20 +26,24 @@ import logging
 import multiprocessing
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 from .async_engine import deliver, request_stream
 from .engine_core import (ABORT, ADD, FAILED, FATAL, OUTPUTS, READY, REFUSED, STEP_FAILED, STOP,
                           STOPPED, EngineInfo, run_engine_core)
 from .errors import EngineDeadError, RequestError, RequestFailed
+from .liveness import StepWatch
+from .termination import ENGINE_STOP_S
 from .request import RequestOutput
 from .request_checks import check_request
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Seconds `stop` waits for the engine process to exit before terminating it.
-STOP_TIMEOUT_S = 30.0
+# Seconds `stop` waits for the engine process to end after SIGTERM, then after SIGKILL:
+# stopping the server is bounded whatever the engine does.
+TERMINATE_WAIT_S = 2.0
 
 
 class EngineStartError(RuntimeError):
@@ -51,9 +61,13 @@ class EngineProcess:
     """
 
     def __init__(self, args: argparse.Namespace, models: Mapping[str, Any],
-                 on_fatal: Callable[[EngineDeadError], None] | None = None):
+                 on_fatal: Callable[[EngineDeadError], None] | None = None,
+                 step_watch: StepWatch | None = None):
         self.on_fatal = on_fatal
         self.fatal_error: EngineDeadError | None = None
+        # The engine's steps are not seen from here: "a step in progress" is the time since the
+        # last message while requests are in flight.
+        self.step_watch = step_watch or StepWatch()
         # Spawned, not forked: a fork of a process that has started OpenMP's or torch's
         # threads inherits their locks, not the threads.
         context = multiprocessing.get_context("spawn")
@@ -74,6 +88,7 @@ class EngineProcess:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()  # over _streams
         self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._stopping = False
         self._writer = threading.Thread(target=self._write, name="engine-inputs", daemon=True)
         self._reader = threading.Thread(target=self._read, name="engine-outputs", daemon=True)
 
@@ -86,24 +101,31 @@ class EngineProcess:
         self._reader.start()
 
     def stop(self) -> None:
-        """Stop the engine process (it closes its runner, and any tensor-parallel ranks)."""
+        """Stop the engine process (it closes its runner, and any tensor-parallel ranks), in
+        at most ENGINE_STOP_S + 2 x TERMINATE_WAIT_S; requests still in flight fail."""
+        deadline = time.monotonic() + ENGINE_STOP_S
+        self._stopping = True  # from now on, the engine process ending is expected
         if self._writer.is_alive():
             self._outbox.put((STOP,))
             self._outbox.put(None)
-            self._writer.join(STOP_TIMEOUT_S)
+            self._writer.join(_left(deadline))
         else:
             try:
                 self._conn.send((STOP,))
             except OSError:
                 pass  # already gone, or never started
         if self._reader.is_alive():
-            self._reader.join(STOP_TIMEOUT_S)
-        self._process.join(STOP_TIMEOUT_S)
+            self._reader.join(_left(deadline))
+        self._process.join(_left(deadline))
         if self._process.is_alive():
             logger.warning("the engine process did not stop in %.0f s; terminating it",
-                           STOP_TIMEOUT_S)
+                           ENGINE_STOP_S)
             self._process.terminate()
-            self._process.join()
+            self._process.join(TERMINATE_WAIT_S)
+        if self._process.is_alive():  # a stopped (SIGSTOP) process leaves SIGTERM pending
+            self._process.kill()
+            self._process.join(TERMINATE_WAIT_S)
+        self._fail_in_flight("the server stopped before it finished")
         self._conn.close()
         atexit.unregister(self._conn.close)
 
@@ -114,6 +136,18 @@ class EngineProcess:
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse a request that could never run (RequestError), before it is sent."""
         check_request(prompt_token_ids, params, self._max_model_len, self._vocab_size)
+
+    def liveness(self) -> str | None:
+        """Why the engine cannot serve now (for /health), or None while it can: it died, a
+        thread that carries its messages or its process is gone, or a step is overdue."""
+        if self.fatal_error is not None:
+            return str(self.fatal_error)
+        for thread in (self._reader, self._writer):
+            if thread.ident is not None and not thread.is_alive():
+                return f"the server's {thread.name} thread has stopped"
+        if not self._process.is_alive():
+            return f"the engine process exited (exit code {self._process.exitcode})"
+        return self.step_watch.overdue()
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -129,6 +163,8 @@ class EngineProcess:
                     outputs.put_nowait(RequestError(
                         "request_id", f"request id {request_id!r} is already in flight"))
                     return
+                if not self._streams:  # the engine's first step for it starts now
+                    self.step_watch.begin()
                 self._streams[request_id] = (loop, outputs)
             self._outbox.put((ADD, request_id, list(prompt_token_ids), params))
 
@@ -158,10 +194,26 @@ class EngineProcess:
                 if message[0] == STOPPED:
                     return
                 self._handle(message)
+                self._watch_steps()
         except (EOFError, OSError):
+            if self._stopping:  # `stop` ended it: the requests left fail there
+                return
             self._process.join(1.0)
             self._die(EngineDeadError(f"the engine process exited unexpectedly (exit code "
                                       f"{self._process.exitcode})"))
+        except Exception as error:  # noqa: BLE001 - see the module's docstring
+            logger.exception("the engine's output thread failed")
+            self._die(EngineDeadError(f"the server's engine-output thread failed: "
+                                      f"{type(error).__name__}: {error}"))
+
+    def _watch_steps(self) -> None:
+        """After a message from the engine: while requests are in flight, a step is running."""
+        with self._lock:
+            busy = bool(self._streams)
+        if busy:
+            self.step_watch.begin()
+        else:
+            self.step_watch.end()
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
@@ -185,8 +237,10 @@ class EngineProcess:
             self._die(EngineDeadError(message[1]))
 
     def _deliver(self, request_id: str, item: Any, last: bool) -> None:
+        # A stream may be gone: its client left (`leave`) while this output was on its way.
         with self._lock:
-            stream = self._streams.pop(request_id) if last else self._streams.get(request_id)
+            stream = self._streams.pop(request_id, None) if last else \
+                self._streams.get(request_id)
         if stream is not None:
             deliver(*stream, item)
 
@@ -197,11 +251,15 @@ class EngineProcess:
         logger.critical("the engine cannot go on: %s", error)
         with self._lock:
             self.fatal_error = error
-            streams, self._streams = list(self._streams.values()), {}
-        for stream in streams:
-            deliver(*stream, RequestFailed(f"the engine stopped: {error}"))
+        self._fail_in_flight(f"the engine stopped: {error}")
         if self.on_fatal is not None:
             self.on_fatal(error)
+
+    def _fail_in_flight(self, why: str) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            deliver(*stream, RequestFailed(why))
 
     def _wait_ready(self) -> EngineInfo:
         """The engine's start-up info, once it is built; EngineStartError if it is not."""
@@ -216,3 +274,7 @@ class EngineProcess:
             raise EngineStartError(message[1])
         assert message[0] == READY, message[0]
         return message[1]
+
+
+def _left(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())

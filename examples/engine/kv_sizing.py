@@ -21,11 +21,16 @@ import torch
 from torch import nn
 
 import kvgraph
+from kvgraph.attention.metadata import MAX_BLOCK_ID
+from kvgraph.devices import memory_bytes
 
 from .block_allocator import blocks_for
+from .flag_types import float_in, int_in
 
 logger = logging.getLogger(__name__)
 
+# The largest --kv-cache-memory: a bound on the flag, far above any machine's memory.
+MAX_CACHE_BYTES = 2**50
 # Builds a ModelRunner with the given number of blocks (everything else already decided).
 RunnerFactory = Callable[[int], kvgraph.ModelRunner]
 
@@ -39,12 +44,14 @@ class KVSizing:
 
 
 def add_kv_sizing_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--num-blocks", type=int,
+    group.add_argument("--num-blocks", type=int_in(1, MAX_BLOCK_ID, "block ids are int32"),
                        help="cache blocks (overrides the two below; default: every sequence at "
                        "full length)")
-    group.add_argument("--kv-cache-memory", type=int, metavar="BYTES",
+    group.add_argument("--kv-cache-memory", type=int_in(1, MAX_CACHE_BYTES, "1 PiB"),
+                       metavar="BYTES",
                        help="size the KV cache to this many bytes (CPU and devices)")
-    group.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+    group.add_argument("--gpu-memory-utilization", type=float_in(0, 1, low_open=True),
+                       metavar="FRACTION",
                        help="size the KV cache to what this fraction of the device's memory "
                        "leaves after a profiling step and the graphs (CUDA, NPU)")
 
@@ -72,15 +79,32 @@ def choose_num_blocks(args: argparse.Namespace, model: nn.Module, dtype: torch.d
         sizing = _profiled(args, per_block, one_sequence, max_num_tokens, max_model_len,
                            build_runner)
     else:
-        sizing = KVSizing(one_sequence * args.max_num_seqs,
-                          f"every sequence at full length: --max-num-seqs {args.max_num_seqs} x "
-                          f"{one_sequence} blocks of --max-model-len {max_model_len}")
+        sizing = _every_sequence(args, per_block, one_sequence, max_model_len)
     if sizing.num_blocks < one_sequence:
         raise ValueError(f"{sizing.why} gives {sizing.num_blocks} KV cache blocks, fewer than the "
                          f"{one_sequence} one sequence of --max-model-len {max_model_len} needs")
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), from %s", sizing.num_blocks,
                 args.block_size, sizing.num_blocks * per_block / 2**20, sizing.why)
     return sizing
+
+
+def _every_sequence(args: argparse.Namespace, per_block: int, one_sequence: int,
+                    max_model_len: int) -> KVSizing:
+    """Blocks for `--max-num-seqs` sequences of `--max-model-len` tokens; a ValueError naming
+    both flags when no cache can be that large (block ids are int32) or the device's memory
+    cannot hold it."""
+    blocks = one_sequence * args.max_num_seqs
+    why = (f"every sequence at full length: --max-num-seqs {args.max_num_seqs} x "
+           f"{one_sequence} blocks of --max-model-len {max_model_len}")
+    capacity = memory_bytes(torch.device(args.device))
+    if blocks > MAX_BLOCK_ID or (capacity is not None and blocks * per_block > capacity):
+        limit = (f"more than the {MAX_BLOCK_ID} block ids a cache may have" if
+                 blocks > MAX_BLOCK_ID else f"{blocks * per_block / 2**30:.3g} GiB, more than "
+                 f"all of {args.device}'s memory ({capacity / 2**30:.3g} GiB)")
+        raise ValueError(f"{why} = {blocks} blocks: {limit}; lower --max-num-seqs or "
+                         "--max-model-len, or size the cache with --num-blocks or "
+                         "--kv-cache-memory")
+    return KVSizing(blocks, why)
 
 
 def _profiled(args: argparse.Namespace, per_block: int, one_sequence: int,

@@ -134,6 +134,16 @@ class TensorParallelRunner:
         except Exception as error:  # noqa: BLE001 - fatal whatever it is; said so below
             raise self._fail(f"a model step failed on rank 0: {brief(error)}") from error
 
+    def check_ranks(self) -> None:
+        """Raise the RankFailed of a spawned worker that has died (an idle engine asks, so that
+        /health knows before the next request does)."""
+        if self._failed is not None:
+            raise self._failed
+        if self._closed:
+            return  # its workers were stopped on purpose
+        if self.workers is not None and self.workers.first_dead() is not None:
+            raise self._fail("it was found dead while the engine was idle")
+
     def _broadcast(self, chunks: list[kvgraph.RequestChunk]) -> None:
         dead = self.workers.first_dead() if self.workers else None
         if dead is not None:

@@ -120,7 +120,7 @@ def test_chat_logprobs_come_as_records_and_their_options_are_checked(url):
                for c in content)
     assert post(url, CHAT, base).json()["choices"][0]["logprobs"] is None
     for bad, param in [({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs"),
-                       ({"logprobs": True, "top_logprobs": 21}, "logprobs")]:
+                       ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
         response = post(url, CHAT, {**base, **bad})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, bad
 

@@ -71,7 +71,8 @@ class Detokenizer:
     def _cut_at_stop(self) -> bool:
         """Cut the text before the first stop string that the pending text completes, if any."""
         # A stop string found now ends in the pending text, so it starts at most
-        # `_holdback` characters before it.
+        # `_holdback` characters before it: a token's search costs O(stop strings * longest),
+        # which SamplingParams bounds (MAX_STOP_STRINGS, MAX_STOP_CHARS).
         kept = len(self.text) - min(self._holdback, len(self.text))
         tail = self.text[kept:] + self._pending
         found = [i for i in (tail.find(s) for s in self.stop) if i >= 0]

@@ -137,7 +137,8 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     asked, top = body.get("logprobs"), body.get("top_logprobs")
     if asked is not None and not isinstance(asked, bool):
         raise RequestError("logprobs", f"logprobs must be a boolean, got {_shown(asked)}")
-    if top is not None and not _is_int(top):
+    # Its range is checked here, not by SamplingParams, which would name `logprobs`.
+    if top is not None and not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
         raise RequestError("top_logprobs", f"top_logprobs must be an integer in [0, "
                            f"{MAX_LOGPROBS}], got {_shown(top)}")
     if top is not None and not asked:

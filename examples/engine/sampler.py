@@ -9,6 +9,10 @@ the order of its candidates, most likely first. One number per row, not one per 
 entry, and only the filtered rows' candidates ordered (a partial sort where it can be): on a
 CPU, drawing a vocabulary's worth of noise and sorting every row took about a third of a
 batch-16 decode step of the small Llama.
+
+A row no token can be sampled from (NaN, +inf, or -inf everywhere, whether the model, the
+request's penalties or its temperature made it so) is that request's SamplingError, and the
+other rows are sampled as if it were not in the batch; no id outside the vocabulary comes out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import torch
 
 from .penalties import apply_penalties
 from .request import Request
+
+
+class SamplingError(RuntimeError):
+    """Why no token could be sampled for one request: it fails that request alone."""
 
 
 class Sampler:
@@ -32,9 +40,52 @@ class Sampler:
         """A request's own random stream."""
         return torch.Generator(self.device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """`logits` `[len(requests), vocab]` -> one token id per request."""
-        logits = apply_penalties(logits.float(), requests)
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]
+                 ) -> list[int | SamplingError]:
+        """`logits` `[len(requests), vocab]` -> one token id per request, in `[0, vocab)`.
+
+        A request whose row no token can be sampled from (NaN, +inf, or -inf everywhere: from
+        the model, its penalties or its temperature) gets a SamplingError instead, and the
+        other rows are sampled as if it were not in the batch.
+        """
+        raw = logits.float()
+        penalised = apply_penalties(raw, requests)
+        scaled = self._scaled(penalised, requests)
+        # A row's maximum is finite exactly when it has no NaN, no +inf, and a finite entry
+        # (amax: a small fraction of argmax's cost on a CPU, which returns indices too).
+        finite = scaled.amax(dim=-1).isfinite().tolist()
+        if all(finite):
+            return _in_vocabulary(self._pick(scaled, requests), scaled.shape[1])
+        return _in_vocabulary(self._pick_finite((raw, penalised, scaled), requests, finite),
+                              scaled.shape[1])
+
+    def _pick_finite(self, stages: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     requests: Sequence[Request], finite: list[bool]
+                     ) -> list[int | SamplingError]:
+        """The finite rows' tokens, picked as if the other rows were not in the batch (no draw
+        of the shared generator is theirs), and each other row's error. `stages`: the logits
+        as the model gave them, after the penalties, after the temperatures."""
+        raw, penalised, scaled = stages
+        rows = [i for i, ok in enumerate(finite) if ok]
+        picked = iter(self._pick(scaled[rows], [requests[i] for i in rows]) if rows else [])
+        return [next(picked) if ok else _not_finite(
+                    [("from the model", raw[i]), ("after its penalties", penalised[i]),
+                     ("after its temperature", scaled[i])])
+                for i, ok in enumerate(finite)]
+
+    def _scaled(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """Each sampled row divided by its temperature (at most float32's largest number);
+        greedy rows as they are."""
+        if all(r.params.greedy for r in requests):
+            return logits
+        temperatures = self._column([1.0 if r.params.greedy else r.params.temperature
+                                     for r in requests], logits)
+        # One past float32's range would be inf, and a masked (-inf) logit / inf is NaN.
+        return logits / temperatures.clamp(max=torch.finfo(logits.dtype).max)
+
+    def _pick(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """One token id per row of finite, scaled `logits`: the greedy rows' argmax, the
+        others drawn."""
         greedy = [r.params.greedy for r in requests]
         if all(greedy):
             return logits.argmax(dim=-1).tolist()
@@ -47,9 +98,8 @@ class Sampler:
         return tokens.tolist()
 
     def _sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """One token per row of `logits` (rows that are not greedy), drawn from its filtered
-        distribution at its temperature."""
-        logits = logits / self._column([r.params.temperature for r in requests], logits)
+        """One token per row of `logits` (rows that are not greedy, already divided by their
+        temperature), drawn from its filtered distribution."""
         draws = self._uniforms(requests)
         vocab = logits.shape[1]
         filtered = [_filters(r, vocab) for r in requests]
@@ -112,6 +162,27 @@ class Sampler:
     @staticmethod
     def _column(values: list[float] | list[int], like: torch.Tensor) -> torch.Tensor:
         return torch.tensor(values, device=like.device).unsqueeze(1)
+
+
+def _not_finite(stages: Sequence[tuple[str, torch.Tensor]]) -> SamplingError:
+    """The error of a row that is not finite once scaled, naming the first stage that made it
+    so; `stages` are (stage, the row after it), in order."""
+    where, row = next((w, r) for w, r in stages if not bool(r.max().isfinite()))
+    return SamplingError(f"the logits of this request's row are not finite ({_what(row)}) "
+                         f"{where}")
+
+
+def _what(row: torch.Tensor) -> str:
+    if bool(row.isnan().any()):
+        return "NaN"
+    return "+inf" if bool((row == torch.inf).any()) else "-inf everywhere"
+
+
+def _in_vocabulary(tokens: list[int | SamplingError], vocab: int) -> list[int | SamplingError]:
+    """`tokens`, with an error for any id outside `[0, vocab)`: a sampler bug fails its request
+    alone, and never reaches the model as a token."""
+    return [t if isinstance(t, SamplingError) or 0 <= t < vocab else SamplingError(
+        f"the sampler picked token id {t}, outside the vocabulary [0, {vocab})") for t in tokens]
 
 
 def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:

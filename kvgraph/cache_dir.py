@@ -5,7 +5,8 @@ Loading a compiled artifact runs the code in it. So kvgraph trusts only what thi
 without following a symbolic link inside the cache dir (the cache dir itself may be a link:
 choosing it is the user's own act). Anything else is refused with a `ConfigError` saying why and
 how to fix it. The same holds for every entry of a tree whose files are code too (inductor's
-cache inside kvgraph's: `check_tree`).
+cache inside kvgraph's: `check_tree`), and for every directory on the way from the cache dir to
+a file that is code (`check_path`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,17 @@ def check_tree(directory: str | os.PathLike, what: str) -> None:
         for name in (*dirnames, *filenames):
             with contextlib.suppress(FileNotFoundError):
                 check_trusted(os.path.join(parent, name), what)
+
+
+def check_path(root: str | os.PathLike, path: str | os.PathLike, what: str) -> None:
+    """Refuse, as `check_trusted` does, the cache dir `root` (a link there is the user's choice,
+    followed) or any entry on the way from it down to `path` (`path` included; links refused):
+    whoever may write a directory on the way may swap everything below it."""
+    check_trusted(root, "cache_dir", follow_link=True)
+    current = Path(root)
+    for part in Path(path).relative_to(root).parts:
+        current = current / part
+        check_trusted(current, what)
 
 
 def can_write(directory: Path) -> bool:

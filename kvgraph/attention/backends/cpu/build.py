@@ -1,20 +1,32 @@
-"""Builds the CPU kernels (attention, linears, thread binding) on first use, into the cache dir.
+"""Builds the CPU kernels (attention, linears, thread binding) on first use, into the cache dir,
+and loads only a library it built.
 
 The C++ sources ship with the package (`paged_attention.cpp`, the header it includes,
 `small_batch_linear.cpp`, `bf16_linear.cpp` and `thread_affinity.cpp`); torch's extension
-machinery (`torch.utils.cpp_extension.load`, which needs a C++ compiler and ninja, as inductor
-needs a compiler) builds them once into `<cache dir>/cpu_attention/<key>`, where the key covers
-the sources, torch's version, the flags and the processor (the build is `-march=native`). A
-second process finds the library there and only loads it. The cache dir is
-kvgraph's default one (`KVGRAPH_CACHE_DIR`, else `$XDG_CACHE_HOME/kvgraph`: where compiled pieces
-go unless a config names another; a backend is chosen before any config reaches it), and the
-same trust rules hold: the library is code, so a tree with a link, or with anything another user
-owns or can write, is refused.
+builder (which needs a C++ compiler and ninja, as inductor needs a compiler) builds them once
+into `<cache dir>/cpu_attention/<key>`, where the key covers the sources, torch's version, the
+flags and the processor (the build is `-march=native`). A second process finds the library
+there and only loads it: no compiler or ninja needed. The cache dir is kvgraph's default one
+(`KVGRAPH_CACHE_DIR`, else `$XDG_CACHE_HOME/kvgraph`: where compiled pieces go unless a config
+names another; a backend is chosen before any config reaches it).
+
+The library is code, so, before anything is loaded:
+- Trust (kvgraph/cache_dir.py's rules): the cache dir (which may be a link the user chose),
+  `cpu_attention/`, the build dir and everything in it must be this user's and writable by no
+  one else, with no link on the way. Checked before the build lock is taken (its file lies in
+  `cpu_attention/`) and again once it is held: until then the tree may change under us.
+- Verification (library_digest.py): a build records the library's size and sha256 next to
+  it; a start loads it only if its bytes are those. One without a record, with other bytes,
+  empty or truncated (which would crash the loader with SIGBUS) is discarded, logged with why,
+  and built again, never dlopen'ed: kvgraph builds with torch's builder and loads the verified
+  file itself (torch's `load` would dlopen whatever ninja finds up to date).
+Any failure raises `KernelBuildError` with its true cause in one line (which path is not trusted
+and why, a full disk, a missing compiler, a library that failed verification and could not be
+rebuilt): callers fall back to torch-native code.
 
 Two processes building at once: an exclusive `flock` on `<key>.lock` serialises them (the kernel
-drops it when a process dies, so a killed build blocks no one); the holder removes the lock file
-torch's own builder leaves behind when killed mid-build, which would otherwise block every later
-build forever.
+drops it when a process dies, so a killed build blocks no one); a build killed midway leaves no
+record, so the next start builds again (ninja redoes only the steps that did not finish).
 """
 
 from __future__ import annotations
@@ -33,8 +45,10 @@ from typing import Iterator
 
 import torch
 
-from kvgraph.cache_dir import check_tree
+from kvgraph.attention.backends.cpu import library_digest
+from kvgraph.cache_dir import CACHE_DIR_SETTINGS, check_cache_dir, check_path, check_tree
 from kvgraph.config import default_cache_dir
+from kvgraph.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +68,23 @@ LIBRARY_NAME = "kvgraph_cpu_attention"
 CFLAGS = ("-O3", "-march=native", "-fopenmp",
           *(("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()))
 LDFLAGS = ("-fopenmp",)
-# What torch's builder (`FileBaton`) leaves in the build dir while it builds.
-TORCH_BUILD_LOCK = "lock"
+PRIVATE_DIR = 0o700
+WHAT = "CPU kernel build entry"  # how refusals name what lies under the cache dir
+# How a build log, or an OSError, says that the disk is full.
+DISK_FULL = ("No space left on device", "Disk quota exceeded")
+NINJA_MISSING = "Ninja is required"  # torch's message when it finds no ninja
 
 
 class KernelBuildError(RuntimeError):
-    """The CPU attention kernels could not be built or loaded (no compiler, no ninja, ...)."""
+    """The CPU kernels could not be built or loaded; the message says why, in one line."""
+
+
+class MissingTool(RuntimeError):
+    """A C++ compiler or ninja, which a build needs, is not installed."""
+
+
+class RebuildFailed(RuntimeError):
+    """A library failed verification and was discarded, and building it again failed."""
 
 
 def cache_root() -> Path:
@@ -107,23 +132,81 @@ def put_ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
-def build_and_load(root: Path) -> Path:
-    """Build (or find) the library under `root` and load its ops; returns the build dir."""
+def _make_dirs(root: Path, directory: Path) -> None:
+    """Make what is missing from `root` down to `directory`, private to this user."""
+    check_cache_dir(root)  # refused before kvgraph creates anything in it
+    root.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR)
+    path = root
+    for part in directory.relative_to(root).parts:
+        path = path / part
+        if not os.path.lexists(path):  # a link is left for check_path to refuse
+            path.mkdir(mode=PRIVATE_DIR, exist_ok=True)
+
+
+def _check_tools() -> None:
+    """Refuse to build without a compiler or ninja, naming the one that is missing (torch's
+    builder would go on and fail with a line of ninja's output)."""
     from torch.utils import cpp_extension
 
     put_ninja_on_path()
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        raise MissingTool(f"no C++ compiler: {compiler!r} (CXX, else c++) is not on PATH")
+    if shutil.which("ninja") is None:
+        raise MissingTool("no ninja: it is not on PATH (pip install ninja)")
+
+
+def _build(library: Path) -> None:
+    """Compile and link `library` with torch's builder (private, what `load` calls: its
+    arguments follow the torch versions pyproject.toml allows), load nothing, record it."""
+    from torch.utils import cpp_extension
+
+    _check_tools()
+    cpp_extension._write_ninja_file_and_build_library(
+        name=LIBRARY_NAME, sources=[str(source) for source in SOURCES],
+        extra_cflags=list(CFLAGS), extra_cuda_cflags=[], extra_sycl_cflags=[],
+        extra_ldflags=list(LDFLAGS), extra_include_paths=[], build_directory=str(library.parent),
+        verbose=False, with_cuda=False, with_sycl=False)
+    library_digest.record(library)
+
+
+def _verified_library(directory: Path) -> Path:
+    """The library in `directory`, its bytes those its build recorded: built first where it is
+    missing, discarded and built again where it fails verification."""
+    from torch.utils import cpp_extension
+
+    library = directory / f"{LIBRARY_NAME}{cpp_extension.LIB_EXT}"
+    problem = library_digest.problem(library)
+    if problem is None:
+        return library
+    if problem == library_digest.MISSING:
+        _build(library)
+        return library
+    logger.warning("kvgraph: discarding the CPU kernel library %s: it %s; building it again",
+                   library, problem)
+    library_digest.discard(library)
+    try:
+        _build(library)
+    except Exception as error:
+        raise RebuildFailed(f"{library} {problem}, and it could not be rebuilt: "
+                            f"{cause(error)}") from error
+    return library
+
+
+def build_and_load(root: Path) -> Path:
+    """Build (or find) the library under `root`, verify it and load its ops; returns the build
+    dir."""
     directory = root / "cpu_attention" / build_key()
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    check_tree(root / "cpu_attention", "CPU attention kernel cache entry")
+    _make_dirs(root, directory)
+    check_path(root, directory, WHAT)  # before the lock file is opened in cpu_attention/
     with _exclusive(directory.with_suffix(".lock")):
-        # Holding the flock, no live process is building here: a torch lock file is stale.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(directory / TORCH_BUILD_LOCK)
+        # Again with the lock held: another process may have changed the tree while this one
+        # waited. From here on no one else can write it, so what is verified is what loads.
+        check_path(root, directory, WHAT)
+        check_tree(directory, WHAT)
         start = time.perf_counter()
-        cpp_extension.load(LIBRARY_NAME, [str(source) for source in SOURCES],
-                           extra_cflags=list(CFLAGS),
-                           extra_ldflags=list(LDFLAGS), build_directory=str(directory),
-                           is_python_module=False)
+        library = _verified_library(directory)
+        torch.ops.load_library(str(library))
         logger.info("kvgraph: CPU kernels ready from %s in %.2f s", directory,
                     time.perf_counter() - start)
     return directory
@@ -133,17 +216,32 @@ def build_and_load(root: Path) -> Path:
 def load_kernels() -> Path:
     """The kernels' build dir, built and loaded once per process (`torch.ops.kvgraph_cpu.*`).
 
-    Raises KernelBuildError, saying what failed and how to fix it, when they cannot be built.
+    Raises KernelBuildError, saying in one line what failed and how to fix it, when they cannot
+    be built, verified or loaded.
     """
     root = cache_root()
     try:
         return build_and_load(root)
     except Exception as error:
         raise KernelBuildError(
-            f"could not build kvgraph's CPU attention kernels in {root / 'cpu_attention'}: "
-            f"{type(error).__name__}: {first_error_line(str(error))}. They need a C++ compiler "
-            f"(g++ or clang++) and ninja (pip install ninja); or choose attn_backend="
-            f"'torch_native'") from error
+            f"kvgraph's CPU kernels could not be built or loaded in {root / 'cpu_attention'}: "
+            f"{cause(error)}") from error
+
+
+def cause(error: Exception) -> str:
+    """Why `error` happened, in one line, with the fix where kvgraph knows it."""
+    text = str(error)
+    if isinstance(error, (ConfigError, RebuildFailed)):
+        return text.rstrip(".")  # says which path, why and what to do
+    full = next((line.strip() for line in text.splitlines()
+                 if any(words in line for words in DISK_FULL)), None)
+    if full is not None:
+        return (f"the disk is full ({full}): free space, or choose another cache dir "
+                f"({CACHE_DIR_SETTINGS})")
+    if isinstance(error, MissingTool) or NINJA_MISSING in text:
+        return (f"{first_error_line(text)}. The build needs a C++ compiler (g++ or clang++) and "
+                f"ninja (pip install ninja); or choose attn_backend='torch_native'")
+    return f"{type(error).__name__}: {first_error_line(text)}"
 
 
 def first_error_line(message: str) -> str:

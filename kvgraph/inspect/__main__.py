@@ -40,10 +40,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m kvgraph.inspect: cannot write {args.html}: {error}",
                   file=sys.stderr)
             return USAGE_ERROR
-    print(summary_json(summaries) if args.json else text_report(summaries), end="")
+    _print(summary_json(summaries) if args.json else text_report(summaries))
     if args.html and not args.json:
         print(f"\nwrote {args.html}")
     return 0
+
+
+def _print(text: str) -> None:
+    """`text` on stdout, what its encoding cannot hold escaped (a dump's JSON strings may hold
+    anything, lone surrogates included)."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    print(text.encode(encoding, "backslashreplace").decode(encoding), end="")
 
 
 if __name__ == "__main__":

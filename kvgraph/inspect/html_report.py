@@ -1,14 +1,21 @@
 """The HTML report of a dump: one self-contained page (inline CSS, no scripts, nothing fetched),
-a table per stage, every piece's and build's code collapsible (`<details>`)."""
+a table per stage, every piece's and build's code collapsible (`<details>`); at most
+MAX_PAGE_BYTES, however much the dump holds."""
 
 from __future__ import annotations
 
 from html import escape
+from pathlib import Path
 
+import kvgraph.inspect.dump_files as dump_files
+import kvgraph.inspect.units as units
+from kvgraph.inspect.dump_files import MAX_CODE_BYTES
 from kvgraph.inspect.sections import session_title, tables
 from kvgraph.inspect.summary import Summary
 from kvgraph.inspect.table import Code, Table
 
+MAX_PAGE_BYTES = 32 * 2**20  # past it, the page's later tables are a note (a browser chokes)
+_CLOSING_BYTES = 4096  # kept for the tags that close the page and the note on where it stopped
 _STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
 h2 { border-bottom: 2px solid #888; margin-top: 2em; }
@@ -27,35 +34,97 @@ nav a { margin-right: 0.8em; }
 
 
 def html_report(summaries: list[Summary]) -> str:
-    """The page of every session of one dump (one per rank), in rank order."""
+    """The page of every session of one dump (one per rank), in rank order; at most
+    MAX_PAGE_BYTES of it, the tables past that left out with a note."""
     title = session_title(summaries[0]) if len(summaries) == 1 else (
         f"kvgraph debug dump: {summaries[0].directory} and {len(summaries) - 1} more ranks")
-    body = "\n".join(_session(summary, number) for number, summary in enumerate(summaries))
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f"<title>{escape(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n"
-            f"<h1>{escape(title)}</h1>\n{body}\n</body>\n</html>\n")
+    page = _Page()
+    page.open(f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+              f"<title>{escape(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n"
+              f"<h1>{escape(title)}</h1>\n", "</body>\n</html>\n")
+    for number, summary in enumerate(summaries):
+        _session(page, summary, number)
+    if page.full:
+        page.close_with(f'<p class="note">note: the page reached its cap of '
+                        f"{units.size(MAX_PAGE_BYTES)}: the tables past this point are not "
+                        "shown (the text report has them all)</p>\n")
+    return page.text()
 
 
-def _session(summary: Summary, number: int) -> str:
+class _Page:
+    """The page as it is written, in UTF-8: at most MAX_PAGE_BYTES, and well formed wherever
+    it stops (each part that opens an element says how to close it)."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.closing: list[str] = []  # of each element open, innermost last
+        self.left = MAX_PAGE_BYTES - _CLOSING_BYTES
+        self.full = False
+
+    def add(self, text: str) -> bool:
+        """Add `text` if it fits; once a part does not, none after it is added either."""
+        if self.full:
+            return False
+        data = text.encode("utf-8", "backslashreplace")  # a lone surrogate a JSON string held
+        if len(data) > self.left:
+            self.full = True
+            return False
+        self.parts.append(data)
+        self.left -= len(data)
+        return True
+
+    def open(self, text: str, closing: str) -> bool:
+        """Add `text`, which opens elements that `closing` closes (at the next `close`)."""
+        if not self.add(text):
+            return False
+        self.closing.append(closing)
+        return True
+
+    def close(self) -> None:
+        """Close the innermost open elements (always: _CLOSING_BYTES is kept for it)."""
+        self.parts.append(self.closing.pop().encode())
+
+    def close_with(self, text: str) -> None:
+        """Add `text` (from _CLOSING_BYTES, as a closing tag is) where the page stopped."""
+        while len(self.closing) > 1:  # inside <body>: a note is no table row
+            self.close()
+        self.parts.append(text.encode())
+
+    def text(self) -> str:
+        while self.closing:
+            self.close()
+        return b"".join(self.parts).decode("utf-8")
+
+
+def _session(page: _Page, summary: Summary, number: int) -> None:
     made = tables(summary)
     anchors = [f"s{number}-{index}-{table.stage}" for index, table in enumerate(made)]
-    parts = [f'<section class="session">\n<h2>{escape(session_title(summary))}</h2>']
-    parts += [f'<p class="note">note: {escape(note)}</p>' for note in summary.notes]
-    parts.append("<nav>" + "".join(f'<a href="#{anchor}">{escape(table.stage)}</a>'
-                                   for anchor, table in zip(anchors, made)) + "</nav>")
-    parts += [_table(table, anchor, summary) for table, anchor in zip(made, anchors)]
-    return "\n".join(parts) + "\n</section>"
+    if not page.open(f'<section class="session">\n<h2>{escape(session_title(summary))}</h2>\n',
+                     "</section>\n"):
+        return
+    for note in summary.notes:
+        page.add(f'<p class="note">note: {escape(note)}</p>\n')
+    page.add("<nav>" + "".join(f'<a href="#{anchor}">{escape(table.stage)}</a>'
+                               for anchor, table in zip(anchors, made)) + "</nav>\n")
+    for table, anchor in zip(made, anchors):
+        _table(page, table, anchor, summary)
+    page.close()
 
 
-def _table(table: Table, anchor: str, summary: Summary) -> str:
+def _table(page: _Page, table: Table, anchor: str, summary: Summary) -> None:
     head = "".join(f"<th>{escape(column)}</th>" for column in table.columns)
-    rows = "\n".join("<tr>" + "".join(f"<td>{_cell(value, summary)}</td>" for value in row)
-                     + "</tr>" for row in table.rows)
+    if not page.open(f'<h3 id="{escape(anchor)}">{escape(table.title)}</h3>\n'
+                     f'<table class="{escape(table.stage)}" data-stage="{escape(table.stage)}">'
+                     f"\n<thead><tr>{head}</tr></thead>\n<tbody>\n", "</tbody>\n</table>\n"):
+        return
+    for row in table.rows:  # one at a time: the page may stop at any of them
+        if not page.add("<tr>" + "".join(f"<td>{_cell(value, summary)}</td>" for value in row)
+                        + "</tr>\n"):
+            break
+    page.close()
     notes = [escape(note) for note in table.notes] or ([] if table.rows else ["none"])
-    return (f'<h3 id="{escape(anchor)}">{escape(table.title)}</h3>\n'
-            f'<table class="{escape(table.stage)}" data-stage="{escape(table.stage)}">\n'
-            f"<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}\n</tbody>\n</table>\n"
-            + "".join(f'<p class="note">{note}</p>\n' for note in notes))
+    for note in notes:
+        page.add(f'<p class="note">{note}</p>\n')
 
 
 def _cell(value: object, summary: Summary) -> str:
@@ -63,8 +132,14 @@ def _cell(value: object, summary: Summary) -> str:
         return escape(str(value))
     if not value.file:
         return ""
-    text = summary.read_text(value.file)
-    if text is None:
+    try:
+        contents = dump_files.read(Path(summary.directory), value.file, MAX_CODE_BYTES)
+    except dump_files.Refused as refusal:  # its session's notes say which event named it
+        return f"{escape(value.file)} ({escape(str(refusal))}; not read)"
+    except OSError:
         return f"{escape(value.file)} (missing)"
+    cut = (f'<p class="note">shown truncated: the file is larger than '
+           f"{units.size(MAX_CODE_BYTES)}</p>" if contents.cut else "")
+    text = contents.data.decode("utf-8", errors="replace")
     return (f"<details><summary>{escape(value.label)}</summary>"
-            f'<p class="note">{escape(value.file)}</p><pre>{escape(text)}</pre></details>')
+            f'<p class="note">{escape(value.file)}</p>{cut}<pre>{escape(text)}</pre></details>')

@@ -112,7 +112,7 @@ def _split(compiles: list[Compile]) -> Table:
     for c in compiles:
         if c.split:
             s = c.split
-            table.rows.append([str(c.number), cell(len(s.get("pieces", []))),
+            table.rows.append([str(c.number), cell(len(s.get("pieces") or [])),
                                cell(s.get("compute_pieces")), cell(s.get("attention_pieces")),
                                cell(s.get("unique_compute_pieces")),
                                units.seconds(s.get("seconds")),

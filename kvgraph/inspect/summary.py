@@ -8,7 +8,6 @@ kvgraph.inspect.dump_reader read.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import kvgraph.inspect.units as units
@@ -100,15 +99,6 @@ class Summary:
     time_spent: list[TimeShare] = field(default_factory=list)
     warnings: list[Finding] = field(default_factory=list)
 
-    def read_text(self, file: str | None) -> str | None:
-        """The text of one of the session's files, None when it is missing or unreadable."""
-        if not file:
-            return None
-        try:
-            return (Path(self.directory) / file).read_text(errors="replace")
-        except OSError:
-            return None
-
 
 def summarise(raw: RawSession) -> Summary:
     """The Summary of one session as read."""
@@ -157,7 +147,7 @@ def _add_to_compile(compile_: Compile, event: dict[str, Any]) -> None:
         compile_.split = {**(compile_.split or {}), "seconds": seconds}
     elif stage == "split" and isinstance(data, dict):
         compile_.split = {**data, **(compile_.split or {})}
-        compile_.pieces = [_piece(compile_.number, entry) for entry in data.get("pieces", [])]
+        compile_.pieces = [_piece(compile_.number, entry) for entry in data.get("pieces") or []]
     elif stage == "piece":
         piece = next((p for p in compile_.pieces if f"piece-{p.name}" == name), None)
         if piece is not None:
@@ -169,7 +159,7 @@ def _add_to_compile(compile_: Compile, event: dict[str, Any]) -> None:
 
 
 def _piece(number: int, entry: dict[str, Any]) -> Piece:
-    return Piece(number, str(entry.get("name")), str(entry.get("kind", "compute")),
+    return Piece(number, str(entry.get("name")), str(entry.get("kind") or "compute"),
                  entry.get("nodes"), list(entry.get("inputs_from") or []),
                  list(entry.get("outputs_to") or []), entry.get("same_as"), entry.get("op"))
 
@@ -236,15 +226,15 @@ def _pass_detail(name: str, compile_: Compile | None) -> str:
     if not entry:
         return ""
     return (f"{entry.get('nodes_before')} -> {entry.get('nodes_after')} nodes: "
-            f"{len(entry.get('removed', []))} removed, {len(entry.get('added', []))} "
-            f"added, {len(entry.get('changed', []))} changed")
+            f"{len(entry.get('removed') or [])} removed, {len(entry.get('added') or [])} "
+            f"added, {len(entry.get('changed') or [])} changed")
 
 
 def _split_detail(compile_: Compile | None) -> str:
     if compile_ is None or not compile_.split:
         return ""
     split = compile_.split
-    return (f"{len(split.get('pieces', []))} pieces: {split.get('compute_pieces')} compute "
+    return (f"{len(split.get('pieces') or [])} pieces: {split.get('compute_pieces')} compute "
             f"({split.get('unique_compute_pieces')} unique), "
             f"{split.get('attention_pieces')} attention")
 

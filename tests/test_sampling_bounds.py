@@ -26,6 +26,7 @@ from examples.engine.sampler import Sampler
 from examples.engine.tokenizer import ByteTokenizer
 from examples.models.llama import Llama
 from tests.test_engine import PROMPTS, make_engine
+from tests.test_engine_isolation import stream_text
 
 VOCAB = 256  # the tiny Llama's
 # A token whose hidden state NaNLlama makes NaN: a prompt ending in it has a NaN logits row.
@@ -268,18 +269,6 @@ def test_a_nan_row_fails_its_request_alone_and_a_concurrent_one_is_answered(serv
         assert response.status_code == 500, response.text
         assert ("the logits of this request's row are not finite (NaN) from the model"
                 in response.json()["error"]["message"])
-
-
-async def stream_text(client, body, started: asyncio.Event) -> str:
-    """A streamed request's text; `started` is set at its first chunk."""
-    text = ""
-    async with client.stream("POST", COMPLETIONS, json={**body, "stream": True}) as reply:
-        assert reply.status_code == 200
-        async for line in reply.aiter_lines():
-            if line.startswith("data: {"):
-                text += json.loads(line[len("data: "):])["choices"][0]["text"]
-                started.set()
-    return text
 
 
 def test_completions_logprobs_over_its_bound_still_names_logprobs():

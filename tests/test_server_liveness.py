@@ -11,6 +11,7 @@ process group. The thread engine's stuck step is a model forward that blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Iterator
 
 import pytest
 
@@ -221,6 +223,20 @@ def _engine_pid(log) -> int:
     return int(re.search(r"the engine runs in process (\d+)", log.read_text()).group(1))
 
 
+@contextlib.contextmanager
+def _streaming(url: str, max_tokens: int) -> Iterator[Iterator[str]]:
+    """A streamed completion under way: the rest of its lines, once its first chunk came."""
+    import httpx
+
+    body = {"prompt": "hello", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            yield lines
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -232,20 +248,13 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 def test_sigterm_to_the_process_group_stops_the_server_quietly_answering_what_is_in_flight(
         tmp_path):
-    import httpx
-
     server, url, log = _serve(tmp_path, "--shutdown-timeout", "20")
     engine_pid = _engine_pid(log)
     try:
-        with httpx.Client(base_url=url, timeout=60) as client:
-            body = {"prompt": "hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                lines = response.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))
-                start = time.monotonic()
-                os.killpg(server.pid, signal.SIGTERM)  # as timeout, systemd and kill -TERM -PGID
-                rest = [line for line in lines if line.startswith("data: ")]
+        with _streaming(url, max_tokens=40) as lines:
+            start = time.monotonic()
+            os.killpg(server.pid, signal.SIGTERM)  # as timeout, systemd and kill -TERM -PGID
+            rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"  # the request in flight was answered whole
         assert server.wait(timeout=30) == 0
         assert time.monotonic() - start < 30
@@ -265,20 +274,15 @@ def test_sigterm_stops_a_server_whose_engine_is_stuck_in_bounded_time(tmp_path):
     server, url, log = _serve(tmp_path, "--shutdown-timeout", "1", "--stuck-step-timeout", "1")
     engine_pid = _engine_pid(log)
     try:
-        with httpx.Client(base_url=url, timeout=60) as client:
-            body = {"prompt": "hello", "max_tokens": 50, "temperature": 0, "ignore_eos": True,
-                    "stream": True}
-            with client.stream("POST", "/v1/completions", json=body) as response:
-                lines = response.iter_lines()
-                assert next(line for line in lines if line.startswith("data: "))
-                os.kill(engine_pid, signal.SIGSTOP)
-                time.sleep(2.0)
-                health = httpx.get(f"{url}/health", timeout=5)
-                assert health.status_code == 503 and "stuck" in health.json()["error"]
-                start = time.monotonic()
-                server.send_signal(signal.SIGTERM)
-                with pytest.raises(httpx.HTTPError):  # failed: cut off, never left hanging
-                    list(lines)
+        with _streaming(url, max_tokens=50) as lines:
+            os.kill(engine_pid, signal.SIGSTOP)
+            time.sleep(2.0)
+            health = httpx.get(f"{url}/health", timeout=5)
+            assert health.status_code == 503 and "stuck" in health.json()["error"]
+            start = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            with pytest.raises(httpx.HTTPError):  # failed: cut off, never left hanging
+                list(lines)
         # The grace, the engine's time to stop, then SIGTERM and SIGKILL to it.
         assert server.wait(timeout=40) == 0
         assert time.monotonic() - start < 1 + 10 + 2 * 2 + 5

@@ -29,7 +29,8 @@ DEEP = 3000  # levels of nesting that once ended in RecursionError
 SPARSE_BYTES = 2 * 2**30  # a huge file that costs nothing to make: a sparse one
 SECRET = "root:x:0:0"  # what /etc/passwd starts with; it must never reach a report
 FAST_SECONDS = 60  # what "finishes quickly" allows on two shared cores (a run takes ~5 s)
-# The address space the command may use: ~1 GiB is importing torch, the rest is its reading.
+# The private writable memory the command may use (RLIMIT_DATA: heap and anonymous mappings,
+# not the address space, which CUDA builds of torch reserve by the tens of GiB).
 MEMORY_LIMIT = 3 * 2**30
 CODE = "compile-000/05-build-submod_0-1.py"
 
@@ -124,7 +125,7 @@ def write_dump(directory: Path, events: list[Any] | None = None,
 def inspect_command(*args: str) -> subprocess.CompletedProcess:
     """The real command, in a process whose memory is capped at MEMORY_LIMIT."""
     def limit_memory() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+        resource.setrlimit(resource.RLIMIT_DATA, (MEMORY_LIMIT, MEMORY_LIMIT))
 
     return subprocess.run([sys.executable, "-m", "kvgraph.inspect", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=FAST_SECONDS,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from kvgraph import config_checks as checks
+from kvgraph.config_checks import non_negative_int, positive_float, token_count
 from kvgraph.config import ON_COMPILE_ERROR, PIECE_COMPILERS, VERIFY_ACTIONS, GraphMode
 from kvgraph.errors import ConfigError
 
@@ -62,7 +62,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("kvgraph", "graph compilation and capture")
     group.add_argument("--graph-mode", choices=[m.value for m in GraphMode],
                        help="which parts of a forward run as captured graphs (default piecewise)")
-    group.add_argument("--max-num-tokens", type=_checked(int, checks.token_count, "max_num_tokens"),
+    group.add_argument("--max-num-tokens", type=_checked(int, token_count, "max_num_tokens"),
                        help="largest batch, in tokens")
     group.add_argument("--capture-sizes", help="comma-separated token counts to capture graphs for")
     group.add_argument("--compile-sizes", help="comma-separated token counts to build statically")
@@ -85,13 +85,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--verify", action="store_true", default=None,
                        help="check graphs against eager on the first step of each descriptor")
     group.add_argument("--verify-every",
-                       type=_checked(int, checks.non_negative_int, "verify_every"),
+                       type=_checked(int, non_negative_int, "verify_every"),
                        help="with --verify, also check every N-th step (default 0: none)")
     group.add_argument("--verify-action", choices=VERIFY_ACTIONS,
                        help="a verify step that finds graphs and eager apart: warn (default) "
                             "or raise")
     group.add_argument("--verify-tolerance",
-                       type=_checked(float, checks.positive_float, "verify_tolerance"),
+                       type=_checked(float, positive_float, "verify_tolerance"),
                        help="largest logit difference, relative to their scale, verify accepts "
                             "(default by dtype)")
     return parser

@@ -45,7 +45,7 @@ from typing import Iterator
 
 import torch
 
-from kvgraph.attention.backends.cpu import library_digest
+import kvgraph.attention.backends.cpu.library_digest as library_digest
 from kvgraph.cache_dir import CACHE_DIR_SETTINGS, check_cache_dir, check_path, check_tree
 from kvgraph.config import default_cache_dir
 from kvgraph.errors import ConfigError

@@ -208,9 +208,9 @@ class EngineProcess:
 
     def _watch_steps(self) -> None:
         """After a message from the engine: while requests are in flight, a step is running."""
-        with self._lock:
-            busy = bool(self._streams)
-        if busy:
+        # Once per step: no lock, a dict's length is read whole, and a stream added meanwhile
+        # has begun the watch itself (`generate`).
+        if self._streams:
             self.step_watch.begin()
         else:
             self.step_watch.end()

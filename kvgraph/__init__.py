@@ -28,9 +28,8 @@ from kvgraph.version import __version__
 
 # What model, server and backend authors use; everything else is importable from its module
 # (counters from kvgraph.compilation.counters, attention backends from kvgraph.attention.backends,
-# CPU weight packing from kvgraph.packed_linear (kvgraph's tile layouts: kvgraph.tile_weights),
-# the small-batch kernel's linears from kvgraph.small_batch_linear, CPU weights in huge pages
-# from kvgraph.huge_pages, freed memory kept in the process from kvgraph.malloc_policy).
+# the CPU kernels and the weight layouts, huge pages and malloc policy around them from
+# kvgraph.cpu).
 __all__ = [
     "__version__",
     # models: attention layers and their caches

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvgraph.packed_linear import (PackedLinear, can_pack, is_packed, linear, pack_linear_weights,
+from kvgraph.cpu.packed_linear import (PackedLinear, can_pack, is_packed, linear, pack_linear_weights,
                                    pack_weight)
-from kvgraph.tile_weights import bf16_tiles_usable, is_tile_packed
+from kvgraph.cpu.tile_weights import bf16_tiles_usable, is_tile_packed
 from tests.scenario import make_model
 
 pytestmark = pytest.mark.skipif(

@@ -18,7 +18,7 @@ import torch
 import kvgraph
 from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.backends.base import GraphSupport
-from kvgraph.attention.backends.cpu import CPUPagedBackend
+from kvgraph.attention.backends.cpu_paged import CPUPagedBackend
 from tests.attention_reference import (
     HEAD_CONFIGS, KINDS, assert_bitwise_equal, assert_close, attention_batch, check_caches,
     encoder_batch, make_chunks, mla_batch, random_attention_batch, random_mla_batch, ref_encoder,
@@ -277,8 +277,8 @@ def test_it_captures_any_batch():
 
 
 def test_without_a_compiler_it_logs_why_and_runs_torch_native(monkeypatch, caplog):
-    from kvgraph.attention.backends import cpu
-    from kvgraph.attention.backends.cpu.build import KernelBuildError
+    from kvgraph.attention.backends import cpu_paged as cpu
+    from kvgraph.cpu.build import KernelBuildError
 
     def no_compiler():
         raise KernelBuildError("could not build kvgraph's CPU attention kernels: no g++")
@@ -294,7 +294,7 @@ def test_without_a_compiler_it_logs_why_and_runs_torch_native(monkeypatch, caplo
 
 
 def test_a_build_failure_says_what_is_needed(tmp_path, monkeypatch):
-    from kvgraph.attention.backends.cpu import build
+    from kvgraph.cpu import build
 
     def failing_build(root):
         raise RuntimeError("Ninja is required to load C++ extensions")
@@ -311,12 +311,12 @@ def test_a_build_failure_says_what_is_needed(tmp_path, monkeypatch):
 
 def test_a_second_process_loads_the_built_kernels_without_building(backend):
     """The library lies in kvgraph's cache dir, keyed by source, torch, flags and processor."""
-    from kvgraph.attention.backends.cpu.build import load_kernels
+    from kvgraph.cpu.build import load_kernels
 
     directory = load_kernels()
-    library = directory / "kvgraph_cpu_attention.so"
+    library = directory / "kvgraph_cpu_kernels.so"
     built = library.stat().st_mtime_ns
-    script = ("import torch; from kvgraph.attention.backends.cpu.build import load_kernels; "
+    script = ("import torch; from kvgraph.cpu.build import load_kernels; "
               "print(load_kernels(), torch.ops.kvgraph_cpu.paged_attention)")
     env = {**os.environ, "KVGRAPH_CACHE_DIR": str(directory.parent.parent)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -353,7 +353,7 @@ def test_the_benchmark_compares_both_backends(backend, tmp_path):
 
 def test_the_ninja_package_is_found_when_its_bin_dir_is_not_on_path(monkeypatch):
     ninja = pytest.importorskip("ninja")
-    from kvgraph.attention.backends.cpu.build import put_ninja_on_path
+    from kvgraph.cpu.build import put_ninja_on_path
 
     monkeypatch.setenv("PATH", "/nonexistent")
     put_ninja_on_path()

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from kvgraph.packed_linear import PackedLinear, is_packed, linear, pack_linear_weights, pack_weight
-from kvgraph.tile_weights import from_tiles, fp32_tiles_usable, is_tile_packed, to_tiles
+from kvgraph.cpu.packed_linear import PackedLinear, is_packed, linear, pack_linear_weights, pack_weight
+from kvgraph.cpu.tile_weights import from_tiles, fp32_tiles_usable, is_tile_packed, to_tiles
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
 pytestmark = pytest.mark.skipif(

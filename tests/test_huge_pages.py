@@ -10,7 +10,7 @@ from torch import nn
 
 import kvgraph
 from kvgraph.compilation.counters import compile_counters
-from kvgraph.huge_pages import (ALIGNMENT, HUGE_PAGE, huge_page_tensors, thp_unavailable_reason,
+from kvgraph.cpu.huge_pages import (ALIGNMENT, HUGE_PAGE, huge_page_tensors, thp_unavailable_reason,
                                 use_huge_pages)
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
@@ -82,7 +82,7 @@ def test_attributes_a_loader_set_on_a_parameter_come_along():
 
 @THP
 def test_a_mapping_that_fails_moves_nothing_and_says_why(monkeypatch, caplog):
-    from kvgraph import huge_pages
+    from kvgraph.cpu import huge_pages
 
     def no_memory(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")
@@ -90,7 +90,7 @@ def test_a_mapping_that_fails_moves_nothing_and_says_why(monkeypatch, caplog):
     monkeypatch.setattr(huge_pages.mmap, "mmap", no_memory)
     model = TiedLM()
     params = list(model.parameters())
-    with caplog.at_level("WARNING", logger="kvgraph.huge_pages"):
+    with caplog.at_level("WARNING", logger="kvgraph.cpu.huge_pages"):
         moved = use_huge_pages(model)
     assert moved.parameters == 0 and "Cannot allocate memory" in moved.reason
     assert all(a is b for a, b in zip(model.parameters(), params))
@@ -120,7 +120,7 @@ def test_without_transparent_huge_pages_nothing_moves_and_the_reason_is_logged(t
     setting.write_text("always madvise [never]\n")
     model = TiedLM()
     params = list(model.parameters())
-    with caplog.at_level("INFO", logger="kvgraph.huge_pages"):
+    with caplog.at_level("INFO", logger="kvgraph.cpu.huge_pages"):
         moved = use_huge_pages(model, setting)
     assert moved.parameters == 0 and "never" in moved.reason
     assert all(a is b for a, b in zip(model.parameters(), params))
@@ -232,8 +232,8 @@ def test_the_benchmark_times_both_kinds_of_page(tmp_path):
 
 def test_the_benchmark_reads_packed_weights_as_plain_ones():
     from examples.benchmarks.huge_pages import plain_weight
-    from kvgraph.packed_linear import pack_weight
-    from kvgraph.tile_weights import bf16_tiles_usable
+    from kvgraph.cpu.packed_linear import pack_weight
+    from kvgraph.cpu.tile_weights import bf16_tiles_usable
 
     weight = torch.randn(48, 64)
     assert plain_weight(weight) is weight

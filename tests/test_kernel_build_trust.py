@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-LIBRARY = "kvgraph_cpu_attention.so"
+LIBRARY = "kvgraph_cpu_kernels.so"
 OTHER_UID = 12345
 
 # One process start: the CPU backend as the platform builds it, then (when it did not fall back)
@@ -36,7 +36,7 @@ START = """
 import json, logging, sys
 import torch
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
-from kvgraph.attention.backends.cpu import CPUPagedBackend
+from kvgraph.attention.backends.cpu_paged import CPUPagedBackend
 from tests.attention_reference import assert_close, check_caches, random_attention_batch
 backend = CPUPagedBackend()
 if backend.fallback_reason is None:
@@ -54,7 +54,7 @@ print(json.dumps({"fallback_reason": backend.fallback_reason,
 @pytest.fixture(scope="module")
 def built() -> Path:
     """The build dir of the suite's one real build (kvgraph's cache dir): tests copy it."""
-    from kvgraph.attention.backends.cpu import build
+    from kvgraph.cpu import build
 
     try:
         return build.load_kernels()
@@ -65,7 +65,7 @@ def built() -> Path:
 def copy_build(built: Path, root: Path, with_library: bool = True) -> Path:
     """`built` copied to `root`'s build dir; mtimes kept, so ninja finds it up to date. Copied
     under the build lock: other processes may be building there."""
-    directory = root / "cpu_attention" / built.name
+    directory = root / "cpu_kernels" / built.name
     ignore = None if with_library else shutil.ignore_patterns(f"{LIBRARY}*")
     lock = os.open(built.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -140,7 +140,7 @@ def planted_library(tmp_path: Path, marker: Path) -> Path:
 def forge_manifest(library: Path) -> None:
     """Record `library` as kvgraph records what it built (what a swapper could also do)."""
     try:
-        from kvgraph.attention.backends.cpu import library_digest
+        from kvgraph.attention.backends.cpu_paged import library_digest
     except ImportError:  # a kvgraph that records nothing: there is nothing to forge
         return
     library_digest.record(library)
@@ -157,7 +157,7 @@ def assert_rebuilt(started: Start, library: Path, why: str) -> None:
     assert started.fallback_reason is None, started.fallback_reason
     assert started.loaded == [str(library)]
     assert f"{library}" in started.log and why in started.log, started.log  # logged, with why
-    from kvgraph.attention.backends.cpu.library_digest import problem
+    from kvgraph.cpu.library_digest import problem
 
     assert problem(library) is None  # what loaded is what the build recorded
 
@@ -216,14 +216,14 @@ def test_a_library_that_cannot_be_rebuilt_is_a_fallback_saying_both(cache):
 @pytest.mark.parametrize("where, change, why", [
     ("cache dir", lambda path: path.chmod(0o777), "and other users (mode drwxrwxrwx)"),
     ("cache dir", give_away, f"belongs to uid {OTHER_UID}"),
-    ("cpu_attention", give_away, f"belongs to uid {OTHER_UID}"),
-    ("cpu_attention", lambda path: path.chmod(0o775), "writable by its group"),
+    ("cpu_kernels", give_away, f"belongs to uid {OTHER_UID}"),
+    ("cpu_kernels", lambda path: path.chmod(0o775), "writable by its group"),
     ("build dir", give_away, f"belongs to uid {OTHER_UID}"),
     ("library", give_away, f"belongs to uid {OTHER_UID}"),
 ])
 def test_an_untrusted_path_to_the_library_is_refused(cache, where, change, why):
     root = cache.parent.parent
-    path = {"cache dir": root, "cpu_attention": cache.parent, "build dir": cache,
+    path = {"cache dir": root, "cpu_kernels": cache.parent, "build dir": cache,
             "library": cache / LIBRARY}[where]
     change(path)
     started = start(root)
@@ -239,7 +239,7 @@ def test_a_cache_dir_that_is_a_link_the_user_chose_is_used(cache, tmp_path):
     link.symlink_to(cache.parent.parent)
     started = start(link)
     assert started.fallback_reason is None, started.fallback_reason
-    assert started.loaded == [os.path.realpath(link / "cpu_attention" / cache.name / LIBRARY)]
+    assert started.loaded == [os.path.realpath(link / "cpu_kernels" / cache.name / LIBRARY)]
 
 
 def blocked_on_flock(pid: int) -> bool:
@@ -321,7 +321,7 @@ def test_a_verified_library_loads_without_a_compiler(cache):
 
 
 def test_the_record_says_what_is_wrong_with_a_library(tmp_path):
-    from kvgraph.attention.backends.cpu.library_digest import problem, record
+    from kvgraph.cpu.library_digest import problem, record
 
     library = tmp_path / LIBRARY
     assert problem(library) == "is missing"

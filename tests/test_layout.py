@@ -1,7 +1,7 @@
 """The package's shape: no import cycles, imports run down the layers, `import kvgraph` is lean.
 
 Layers, from the bottom: leaves (config, errors, devices, version, forward_context, the op
-names), kv_cache, attention, compilation, runtime. A module may import its own layer and those
+names), cpu (the CPU kernels and weight layouts), kv_cache, attention, compilation, runtime. A module may import its own layer and those
 below; `passes` imports nothing of kvgraph. Imports inside functions and under TYPE_CHECKING are
 not edges: they are how a lower layer names a higher one without depending on it.
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYERS = {"kv_cache": 1, "attention": 2, "compilation": 3, "runtime": 4}
+LAYERS = {"cpu": 1, "kv_cache": 2, "attention": 3, "compilation": 4, "runtime": 5}
 LEAVES = {"kvgraph.attention.op_names"}
 
 

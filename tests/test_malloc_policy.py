@@ -1,4 +1,4 @@
-"""Freed memory kept in the process (kvgraph.malloc_policy): blocks past glibc's largest mmap
+"""Freed memory kept in the process (kvgraph.cpu.malloc_policy): blocks past glibc's largest mmap
 threshold stop faulting their pages in anew once freed memory is kept, a C library that is not
 glibc is left alone and said so, and the engine keeps freed memory on the CPU unless told not
 to. The allocator's behaviour is measured in child processes: it is the whole process's."""
@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from kvgraph import malloc_policy
-from kvgraph.malloc_policy import MallocPolicy, keep_freed_memory
+from kvgraph.cpu import malloc_policy
+from kvgraph.cpu.malloc_policy import MallocPolicy, keep_freed_memory
 
 GLIBC = pytest.mark.skipif(
     not sys.platform.startswith("linux") or __import__("platform").libc_ver()[0] != "glibc",
@@ -22,7 +22,7 @@ GLIBC = pytest.mark.skipif(
 # threshold, 32 MiB), the last of five rounds; with `keep` first.
 FAULTS = textwrap.dedent("""
     import resource, sys, torch
-    from kvgraph.malloc_policy import keep_freed_memory
+    from kvgraph.cpu.malloc_policy import keep_freed_memory
     if sys.argv[1] == "keep":
         assert keep_freed_memory().kept
     for _ in range(5):

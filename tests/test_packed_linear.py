@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 import kvgraph
-from kvgraph import packed_linear
+from kvgraph.cpu import packed_linear
 from kvgraph.compilation.counters import compile_counters
-from kvgraph.packed_linear import (PackedLinear, can_pack, cpu_vendor, is_packed, linear,
+from kvgraph.cpu.packed_linear import (PackedLinear, can_pack, cpu_vendor, is_packed, linear,
                                    pack_linear_weights, pack_weight, packed_dtypes)
-from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_dtypes
+from kvgraph.cpu.small_batch_linear import SmallBatchLinear, small_batch_dtypes
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
 pytestmark = [pytest.mark.usefixtures("fresh_compile_state"),

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import kvgraph
-from kvgraph import packed_linear
-from kvgraph.small_batch_linear import (SmallBatchLinear, small_batch_dtypes,
+from kvgraph.cpu import packed_linear
+from kvgraph.cpu.small_batch_linear import (SmallBatchLinear, small_batch_dtypes,
                                         small_batch_kernel_loaded, small_batch_max_rows,
                                         use_small_batch_linear)
 from tests.attention_reference import OpRecorder

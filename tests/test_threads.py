@@ -103,7 +103,7 @@ def test_bound_threads_each_keep_one_of_the_first_usable_cores(threads):
     cores = sorted(os.sched_getaffinity(0))
     if threads > len(cores):
         pytest.skip(f"{len(cores)} usable core(s)")
-    from kvgraph.attention.backends.cpu import build
+    from kvgraph.cpu import build
     try:
         build.load_kernels()  # built here once, so the child only loads them
     except build.KernelBuildError as error:
@@ -138,13 +138,13 @@ def test_the_engine_binds_only_when_asked():
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity calls")
 def test_a_core_outside_the_affinity_mask_is_refused_naming_it():
-    from kvgraph.attention.backends.cpu import build
+    from kvgraph.cpu import build
     try:
         build.load_kernels()
     except build.KernelBuildError as error:
         pytest.skip(str(error))
     outside = max(os.sched_getaffinity(0)) + 1000
-    code = ("import torch; from kvgraph.attention.backends.cpu.build import load_kernels; "
+    code = ("import torch; from kvgraph.cpu.build import load_kernels; "
             f"load_kernels(); torch.ops.kvgraph_cpu.bind_compute_threads([{outside}])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[1], timeout=300)

@@ -1,5 +1,5 @@
 """The example engine with freed memory kept in the process and without (`--keep-freed-memory`,
-kvgraph.malloc_policy): prefill throughput and decode steps, engines side by side.
+kvgraph.cpu.malloc_policy): prefill throughput and decode steps, engines side by side.
 
 The allocator's setting is the whole process's, so each setting runs in an engine worker
 process of its own (engine_worker.py, as vs_vllm.py runs kvgraph), built the same way but for

@@ -4,7 +4,7 @@ First the model's linear weights (plain `[out, in]` copies of whatever the engin
 into: on AMD processors with AVX-512 its fp32 linears are oneDNN's, which stay where oneDNN put
 them, so there only the reading rounds say what huge pages would do for them), copied once
 into ordinary memory and once into huge-page memory
-(`kvgraph.huge_pages`), each read in alternating rounds: summed (a plain stream), and multiplied
+(`kvgraph.cpu.huge_pages`), each read in alternating rounds: summed (a plain stream), and multiplied
 by 1 and 16 input rows with the small-batch kernel (a decode step's matmuls). Then two example
 engines in one process, `--no-huge-pages` and `--huge-pages` (same model and flags otherwise:
 the engine's defaults, one thread unless --threads, no prefix caching), rounds alternating
@@ -28,10 +28,10 @@ from examples.benchmarks.engine_steps import alternating_step_ms, engine_parser
 from examples.benchmarks.timing import machine, write_json
 from examples.engine import build_engine
 from examples.models import Llama
-from kvgraph.huge_pages import huge_page_tensors, thp_unavailable_reason
-from kvgraph.packed_linear import PackedLinear
-from kvgraph.small_batch_linear import SmallBatchLinear, small_batch_kernel_loaded
-from kvgraph.tile_weights import from_tiles, is_tile_packed
+from kvgraph.cpu.huge_pages import huge_page_tensors, thp_unavailable_reason
+from kvgraph.cpu.packed_linear import PackedLinear
+from kvgraph.cpu.small_batch_linear import SmallBatchLinear, small_batch_kernel_loaded
+from kvgraph.cpu.tile_weights import from_tiles, is_tile_packed
 
 SETTINGS = {"4k": False, "huge": True}  # name: --huge-pages
 

@@ -1,7 +1,7 @@
 """Packed against plain linear weights on the CPU: decode steps and prefill, runners side by side.
 
 Per dtype, two runners of the same model and graph mode, one with `pack_linear_weights`
-(kvgraph.packed_linear) applied to every linear, whatever its dtype, so fp32 is measured too,
+(kvgraph.cpu.packed_linear) applied to every linear, whatever its dtype, so fp32 is measured too,
 one without; rounds alternate which goes first, and each round times a decode step per batch
 size and a prefill step on both. One compute thread by default, since a shared machine's second core is not
 ours to count on. Prints medians and the packed/plain ratio (below 1: packing is faster),
@@ -25,7 +25,7 @@ from examples.benchmarks.decode_runner import Requests
 from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import PRESETS, Llama
 from kvgraph.config_checks import PIECE_COMPILERS
-from kvgraph.packed_linear import pack_linear_weights
+from kvgraph.cpu.packed_linear import pack_linear_weights
 
 KINDS = ("plain", "packed")
 

@@ -16,7 +16,7 @@ comparison that holds (rounds there swing by tens of percent from one minute to 
 
 `--onednn` also times oneDNN's linear over the same weights packed once for it
 (`kvgraph::packed_linear`), what the engine runs for fp32 where that was measured fastest
-(`kvgraph.packed_linear.packed_dtypes`).
+(`kvgraph.cpu.packed_linear.packed_dtypes`).
 
     python -m examples.benchmarks.small_batch_linear [--preset small] [--rows 1 4 8 16 32] \
         [--dtype float32] [--against HEAD~1] [--onednn]
@@ -38,12 +38,12 @@ from torch import nn
 from examples.benchmarks.engine_worker import REPO
 from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import PRESETS, Llama
-from kvgraph.attention.backends.cpu import build
-from kvgraph import packed_linear
-from kvgraph.packed_linear import PACKING_BATCH_HINT
-from kvgraph.small_batch_linear import small_batch_kernel_loaded
+from kvgraph.cpu import build
+from kvgraph.cpu import packed_linear
+from kvgraph.cpu.packed_linear import PACKING_BATCH_HINT
+from kvgraph.cpu.small_batch_linear import small_batch_kernel_loaded
 
-KERNEL_SOURCE = Path(build.__file__).with_name("small_batch_linear.cpp")
+KERNEL_SOURCE = build.CSRC / "small_batch_linear.cpp"
 # Where --against's build registers its op: apart from the kernel being measured.
 AGAINST_NAMESPACE = "kvgraph_cpu_against"
 

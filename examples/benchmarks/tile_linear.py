@@ -5,7 +5,7 @@ than this VM's caches keep, so a pass reads them from memory, as a decode step d
 multiplied by `rows` input rows: once through `kvgraph::packed_linear` over oneDNN-packed
 weights (torch's mkldnn linear: what kvgraph ran before, and still runs where the tile kernels
 do not) and once through kvgraph's kernel over the same weights in its tile layout
-(`kvgraph.tile_weights`: `kvgraph_cpu::bf16_linear`, or `fp32_linear` with `--dtype float32`),
+(`kvgraph.cpu.tile_weights`: `kvgraph_cpu::bf16_linear`, or `fp32_linear` with `--dtype float32`),
 in alternating order per round; one compute thread. Prints the median ms per pass and the
 ratio, writes JSON. bf16 rows 1-4 run AVX512-BF16 dot products, more run AMX tiles (dot
 products where there is no AMX); fp32 rows all run AVX-512 fused multiply-adds.
@@ -25,8 +25,8 @@ import torch
 from examples.benchmarks.small_batch_linear import model_weights
 from examples.benchmarks.timing import machine, write_json
 from examples.models.llama import PRESETS
-from kvgraph.packed_linear import PACKING_BATCH_HINT, linear
-from kvgraph.tile_weights import bf16_tiles_usable, fp32_tiles_usable, to_tiles
+from kvgraph.cpu.packed_linear import PACKING_BATCH_HINT, linear
+from kvgraph.cpu.tile_weights import bf16_tiles_usable, fp32_tiles_usable, to_tiles
 
 KINDS = ("oneDNN", "tiles")
 USABLE = {"bfloat16": (bf16_tiles_usable, "no AVX512-BF16"),

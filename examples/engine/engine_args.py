@@ -27,11 +27,11 @@ from torch import nn
 import kvgraph
 from kvgraph.attention.metadata import MAX_SEQ_LEN
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
-from kvgraph.huge_pages import use_huge_pages
+from kvgraph.cpu.huge_pages import use_huge_pages
 from kvgraph.inspect import units
-from kvgraph.malloc_policy import keep_freed_memory
-from kvgraph.packed_linear import pack_linear_weights
-from kvgraph.small_batch_linear import use_small_batch_linear
+from kvgraph.cpu.malloc_policy import keep_freed_memory
+from kvgraph.cpu.packed_linear import pack_linear_weights
+from kvgraph.cpu.small_batch_linear import use_small_batch_linear
 
 from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
@@ -107,14 +107,14 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        "oneDNN, and fp32 in kvgraph's fp32 tiles on AMD processors with "
                        "AVX-512; other fp32 linears run a decode step's few rows (16 with "
                        "AVX-512, 48 with AVX2) in kvgraph's small-batch kernel "
-                       "(kvgraph.packed_linear)")
+                       "(kvgraph.cpu.packed_linear)")
     group.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                        help="on the CPU, move the weights into memory backed by transparent huge "
-                       "pages once at load, where Linux gives them (kvgraph.huge_pages)")
+                       "pages once at load, where Linux gives them (kvgraph.cpu.huge_pages)")
     group.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction,
                        default=True, help="on the CPU, after loading, have glibc's malloc keep "
                        "the memory steps free, so their tensors reuse pages already faulted in "
-                       "(kvgraph.malloc_policy)")
+                       "(kvgraph.cpu.malloc_policy)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)

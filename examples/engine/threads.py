@@ -84,7 +84,7 @@ def bind_compute_threads(threads: int, ranks: int = 1, who: str = "this process"
                else f"{threads} threads for {len(cores)} usable cores" if threads > len(cores)
                else None)
     if why_not is None:
-        from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
+        from kvgraph.cpu.build import KernelBuildError, load_kernels
         try:
             load_kernels()
         except KernelBuildError as error:

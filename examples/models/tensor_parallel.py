@@ -26,7 +26,7 @@ from torch import nn
 
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, all_reduce
-from kvgraph.packed_linear import linear
+from kvgraph.cpu.packed_linear import linear
 
 from .layers import MergedLinear
 
@@ -174,7 +174,7 @@ class RowParallelLinear(ParallelLinear):
 
     dim = 1
 
-    reads_packed_weight = True  # see kvgraph.packed_linear: its weight may be packed
+    reads_packed_weight = True  # see kvgraph.cpu.packed_linear: its weight may be packed
     onednn_packed = False  # pack_linear_weights sets it where it packs the weight for oneDNN
     small_batch = False  # use_small_batch_linear sets it where the CPU kernel takes the weight
 

@@ -21,7 +21,7 @@ DEFAULT_BACKEND = "torch_native"
 # name -> "module:class", imported on first use; register_attention_backend adds classes.
 _BACKENDS: dict[str, str | type] = {
     "torch_native": "kvgraph.attention.backends.torch_native:TorchNativeBackend",
-    "cpu_paged": "kvgraph.attention.backends.cpu:CPUPagedBackend",
+    "cpu_paged": "kvgraph.attention.backends.cpu_paged:CPUPagedBackend",
     "triton": "kvgraph.attention.backends.triton:TritonBackend",
     "ascend": "kvgraph.attention.backends.ascend:AscendBackend",
 }

@@ -75,7 +75,7 @@ def use_huge_pages(model: nn.Module, setting_file: Path = THP_SETTING) -> HugePa
 
     Values, dtypes, shapes, `requires_grad` and ties between modules are kept (a parameter two
     modules share stays one); each becomes contiguous. Call after the weights are loaded (and
-    packed, see `kvgraph.packed_linear`), before the model is compiled or captured: a captured
+    packed, see `kvgraph.cpu.packed_linear`), before the model is compiled or captured: a captured
     CPU graph checks that its inputs did not move.
     """
     reason = thp_unavailable_reason(setting_file)

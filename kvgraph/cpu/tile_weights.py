@@ -11,7 +11,7 @@ an AVX-512 register:
 - fp32 `[out / 16, in, 16]`: 16 outputs' weights for one input a row, read by fused
   multiply-adds (`kvgraph_cpu::fp32_linear`, fp32_linear.cpp), where it has AVX-512.
 
-Both kernels share one loop (tile_matmul.h). `kvgraph.packed_linear` decides which weights
+Both kernels share one loop (tile_matmul.h). `kvgraph.cpu.packed_linear` decides which weights
 are packed, and into which layout.
 """
 
@@ -21,6 +21,8 @@ import functools
 import logging
 
 import torch
+
+from kvgraph.cpu.build import KernelBuildError, load_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +38,6 @@ def _tile_linear_fake(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
 def linear_kernel_loaded(op: str, fake, fallback: str) -> bool:
     """Whether kvgraph's CPU kernels are loaded (built on first use), with `op`'s fake kernel
     registered; False, logged with what runs instead (`fallback`), where they cannot be built."""
-    from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
-
     try:
         load_kernels()
     except KernelBuildError as error:
@@ -61,7 +61,7 @@ def bf16_tiles_usable() -> bool:
         # Measured on a Zen 4 (README, "bf16 linears"): ahead of oneDNN's packed linear up to
         # 64 rows, level with it at prefill sizes, where both are bound by the same dot products.
         logger.info("kvgraph: bf16 linears run kvgraph's AVX512-BF16 kernel (no AMX here)")
-    else:  # kvgraph.packed_linear says what runs them instead
+    else:  # kvgraph.cpu.packed_linear says what runs them instead
         logger.info("kvgraph: no AVX512-BF16 here: bf16 weights do not take kvgraph's tiles")
     return level > 0
 

@@ -6,7 +6,7 @@ of the whole weight per matmul per step. `pack_linear_weights(model)` packs each
 load:
 
 - bf16, where the processor has AVX512-BF16 (and the weight is [16 n, 32 k]): kvgraph's own
-  tile layout, a plain bf16 tensor `[out / 16, in / 2, 16, 2]` (`kvgraph.tile_weights`) read by
+  tile layout, a plain bf16 tensor `[out / 16, in / 2, 16, 2]` (`kvgraph.cpu.tile_weights`) read by
   `kvgraph_cpu::bf16_linear` (AVX512-BF16 dot products for a decode step's few rows, AMX tiles
   for more where the processor has AMX, dot products for every batch where it has not).
   torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode step of
@@ -30,7 +30,7 @@ A module whose weight may be packed calls `linear(x, weight, bias)` instead of `
 fp32 weights stay plain (MKL's sgemm reads them as they are), except on AMD processors with
 AVX-512, where kvgraph's fp32 tiles measured fastest, and oneDNN's packed fp32 linear next
 (`packed_dtypes`); plain fp32 linears, and bf16 ones oneDNN cannot pack, run kvgraph's
-small-batch kernel at a decode step's few rows (`kvgraph.small_batch_linear`).
+small-batch kernel at a decode step's few rows (`kvgraph.cpu.small_batch_linear`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvgraph.tile_weights import (fp32_tiles_usable, is_tile_packed, tile_linear, tile_packable,
+from kvgraph.cpu.tile_weights import (fp32_tiles_usable, is_tile_packed, tile_linear, tile_packable,
                                   to_tiles)
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def can_pack(dtype: torch.dtype | None = None) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` (`[out, in]`, on the CPU) packed once: its dtype's tile layout where
-    `tile_packable` (kvgraph.tile_weights), else oneDNN's blocked layout."""
+    `tile_packable` (kvgraph.cpu.tile_weights), else oneDNN's blocked layout."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError(f"pack_weight: expected a 2-D CPU weight, got {tuple(weight.shape)} on "
                          f"{weight.device}")

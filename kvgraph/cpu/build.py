@@ -1,10 +1,10 @@
 """Builds the CPU kernels (attention, linears, thread binding) on first use, into the cache dir,
 and loads only a library it built.
 
-The C++ sources ship with the package (`paged_attention.cpp`, the header it includes,
+The C++ sources ship with the package in `csrc/` (`paged_attention.cpp`, the header it includes,
 `small_batch_linear.cpp`, `bf16_linear.cpp` and `thread_affinity.cpp`); torch's extension
 builder (which needs a C++ compiler and ninja, as inductor needs a compiler) builds them once
-into `<cache dir>/cpu_attention/<key>`, where the key covers the sources, torch's version, the
+into `<cache dir>/cpu_kernels/<key>`, where the key covers the sources, torch's version, the
 flags and the processor (the build is `-march=native`). A second process finds the library
 there and only loads it: no compiler or ninja needed. The cache dir is kvgraph's default one
 (`KVGRAPH_CACHE_DIR`, else `$XDG_CACHE_HOME/kvgraph`: where compiled pieces go unless a config
@@ -12,9 +12,9 @@ names another; a backend is chosen before any config reaches it).
 
 The library is code, so, before anything is loaded:
 - Trust (kvgraph/cache_dir.py's rules): the cache dir (which may be a link the user chose),
-  `cpu_attention/`, the build dir and everything in it must be this user's and writable by no
+  `cpu_kernels/`, the build dir and everything in it must be this user's and writable by no
   one else, with no link on the way. Checked before the build lock is taken (its file lies in
-  `cpu_attention/`) and again once it is held: until then the tree may change under us.
+  `cpu_kernels/`) and again once it is held: until then the tree may change under us.
 - Verification (library_digest.py): a build records the library's size and sha256 next to
   it; a start loads it only if its bytes are those. One without a record, with other bytes,
   empty or truncated (which would crash the loader with SIGBUS) is discarded, logged with why,
@@ -45,24 +45,25 @@ from typing import Iterator
 
 import torch
 
-import kvgraph.attention.backends.cpu.library_digest as library_digest
+import kvgraph.cpu.library_digest as library_digest
 from kvgraph.cache_dir import CACHE_DIR_SETTINGS, check_cache_dir, check_path, check_tree
 from kvgraph.config import default_cache_dir
 from kvgraph.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# The CPU platform's native kernels: paged attention, the linears kvgraph.small_batch_linear
-# (a decode step's rows) and kvgraph.packed_linear (tile-packed bf16 and fp32 weights) route
+# The CPU platform's native kernels: paged attention, the linears kvgraph.cpu.small_batch_linear
+# (a decode step's rows) and kvgraph.cpu.packed_linear (tile-packed bf16 and fp32 weights) route
 # through, and the engine's thread binding.
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),
-           Path(__file__).with_name("small_batch_linear.cpp"),
-           Path(__file__).with_name("bf16_linear.cpp"),
-           Path(__file__).with_name("fp32_linear.cpp"),
-           Path(__file__).with_name("thread_affinity.cpp"))
-HEADERS = (Path(__file__).with_name("attention_tiles.h"),  # included by paged_attention.cpp
-           Path(__file__).with_name("tile_matmul.h"))  # by bf16_linear.cpp and fp32_linear.cpp
-LIBRARY_NAME = "kvgraph_cpu_attention"
+CSRC = Path(__file__).with_name("csrc")  # the C++ sources, shipped with the package
+SOURCES = (CSRC.joinpath("paged_attention.cpp"),
+           CSRC.joinpath("small_batch_linear.cpp"),
+           CSRC.joinpath("bf16_linear.cpp"),
+           CSRC.joinpath("fp32_linear.cpp"),
+           CSRC.joinpath("thread_affinity.cpp"))
+HEADERS = (CSRC.joinpath("attention_tiles.h"),  # included by paged_attention.cpp
+           CSRC.joinpath("tile_matmul.h"))  # by bf16_linear.cpp and fp32_linear.cpp
+LIBRARY_NAME = "kvgraph_cpu_kernels"
 # OpenMP: at::parallel_for runs on torch's threads. On x86, GCC's tuning for recent Intel cores
 # keeps loops at 256-bit vectors, half of what AVX-512 offers the tiles' loops.
 CFLAGS = ("-O3", "-march=native", "-fopenmp",
@@ -196,9 +197,9 @@ def _verified_library(directory: Path) -> Path:
 def build_and_load(root: Path) -> Path:
     """Build (or find) the library under `root`, verify it and load its ops; returns the build
     dir."""
-    directory = root / "cpu_attention" / build_key()
+    directory = root / "cpu_kernels" / build_key()
     _make_dirs(root, directory)
-    check_path(root, directory, WHAT)  # before the lock file is opened in cpu_attention/
+    check_path(root, directory, WHAT)  # before the lock file is opened in cpu_kernels/
     with _exclusive(directory.with_suffix(".lock")):
         # Again with the lock held: another process may have changed the tree while this one
         # waited. From here on no one else can write it, so what is verified is what loads.
@@ -224,7 +225,7 @@ def load_kernels() -> Path:
         return build_and_load(root)
     except Exception as error:
         raise KernelBuildError(
-            f"kvgraph's CPU kernels could not be built or loaded in {root / 'cpu_attention'}: "
+            f"kvgraph's CPU kernels could not be built or loaded in {root / 'cpu_kernels'}: "
             f"{cause(error)}") from error
 
 

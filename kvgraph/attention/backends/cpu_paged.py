@@ -27,7 +27,7 @@ import logging
 import torch
 
 from kvgraph.attention.backends.base import AttentionBackend, GraphSupport
-from kvgraph.attention.backends.cpu.build import KernelBuildError, load_kernels
+from kvgraph.cpu.build import KernelBuildError, load_kernels
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
 from kvgraph.attention.metadata import AttentionMetadata
 

@@ -4,9 +4,9 @@ An fp32 `nn.Linear` becomes a `SmallBatchLinear`: batches of a decode step's few
 (`small_batch_max_rows()`: 16 with AVX-512, 48 with AVX2 only) run `kvgraph_cpu::small_batch_linear`
 (small_batch_linear.cpp among the CPU kernels), which reads the weight once per call where MKL
 copies it first; larger ones run `F.linear` as before. So do bf16 linears that oneDNN cannot
-pack (`kvgraph.packed_linear`), their larger batches widened to fp32 for MKL (torch's own bf16
+pack (`kvgraph.cpu.packed_linear`), their larger batches widened to fp32 for MKL (torch's own bf16
 matmul is several times slower there). A module that reads its weight through
-`kvgraph.packed_linear.linear()` is told instead (`small_batch = True`) and passes it on.
+`kvgraph.cpu.packed_linear.linear()` is told instead (`small_batch = True`) and passes it on.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import logging
 import torch
 from torch import nn
 
-from kvgraph.packed_linear import can_pack, dtype_name
-from kvgraph.tile_weights import linear_kernel_loaded
+from kvgraph.cpu.packed_linear import can_pack, dtype_name
+from kvgraph.cpu.tile_weights import linear_kernel_loaded
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvgraph.cpu.packed_linear import PackedLinear, is_packed, linear, pack_linear_weights, pack_weight
+from kvgraph.cpu.packed_linear import (LinearKernel, LinearPacking, PackedLinear, is_packed,
+                                       linear, linear_kernel, module_linear,
+                                       pack_linear_weights, pack_weight)
 from kvgraph.cpu.tile_weights import from_tiles, fp32_tiles_usable, is_tile_packed, to_tiles
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
@@ -108,9 +110,9 @@ def test_only_fp32_weights_of_whole_column_blocks_take_the_layout():
             _close_to_float64(module(x), x, plain.weight, plain.bias)
 
 
-def test_a_module_reading_tiles_through_linear_is_not_marked_for_onednn():
+def test_a_module_reading_tiles_through_linear_records_the_tile_kernel():
     class ReadsPacked(nn.Module):
-        reads_packed_weight = True
+        linear_packing = LinearPacking.READS_THROUGH_LINEAR
 
         def __init__(self):
             super().__init__()
@@ -119,9 +121,9 @@ def test_a_module_reading_tiles_through_linear_is_not_marked_for_onednn():
     module = ReadsPacked()
     plain = module.weight.detach().clone()
     assert pack_linear_weights(nn.Sequential(module), dtypes=(torch.float32,)) == 1
-    assert is_tile_packed(module.weight) and not module.onednn_packed
+    assert is_tile_packed(module.weight) and linear_kernel(module) is LinearKernel.TILES
     x = torch.randn(3, 32)
-    _close_to_float64(linear(x, module.weight, onednn=module.onednn_packed), x, plain, None)
+    _close_to_float64(module_linear(x, module), x, plain, None)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])

@@ -13,9 +13,12 @@ from torch import nn
 import kvgraph
 from kvgraph.cpu import packed_linear
 from kvgraph.compilation.counters import compile_counters
-from kvgraph.cpu.packed_linear import (PackedLinear, can_pack, cpu_vendor, is_packed, linear,
-                                   pack_linear_weights, pack_weight, packed_dtypes)
-from kvgraph.cpu.small_batch_linear import SmallBatchLinear, small_batch_dtypes
+from kvgraph.cpu.packed_linear import (LinearKernel, LinearPacking, PackedLinear, can_pack,
+                                       cpu_vendor, is_packed, linear, linear_kernel,
+                                       linear_packing, module_linear, pack_linear_weights,
+                                       pack_weight, packed_dtypes)
+from kvgraph.cpu.small_batch_linear import (SmallBatchLinear, small_batch_dtypes,
+                                            use_small_batch_linear)
 from tests.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
 
 pytestmark = [pytest.mark.usefixtures("fresh_compile_state"),
@@ -70,14 +73,14 @@ def test_only_the_asked_dtypes_and_plain_linears_are_packed():
             return super().forward(x) * 2
 
     class ReadsPacked(nn.Module):
-        reads_packed_weight = True
+        linear_packing = LinearPacking.READS_THROUGH_LINEAR
 
         def __init__(self):
             super().__init__()
             self.weight = nn.Parameter(torch.randn(6, 4, dtype=torch.bfloat16))
 
         def forward(self, x):
-            return linear(x, self.weight)
+            return module_linear(x, self)
 
     model = nn.ModuleDict({"plain": nn.Linear(4, 6, dtype=torch.bfloat16),
                            "fp32": nn.Linear(4, 6), "own": OwnForward(4, 6, dtype=torch.bfloat16),
@@ -111,7 +114,7 @@ def _runner(model, mode, piece_compiler="eager", **config):
 def _bf16_model(kind: str, packed: bool, num_layers: int | None = None) -> nn.Module:
     model = make_model(kind, num_layers).to(torch.bfloat16)
     if packed:
-        plain = [m for m in model.modules() if getattr(m, "keeps_plain_weight", False)]
+        plain = [m for m in model.modules() if linear_packing(m) is LinearPacking.PLAIN]
         assert pack_linear_weights(model) == len(_linear_weights(model)) - len(plain) > 0
     return model
 
@@ -263,14 +266,14 @@ def test_a_missing_cpuinfo_names_no_vendor(tmp_path):
 
 def test_a_module_reading_its_weight_through_linear_says_it_is_packed_for_compilers():
     """A compiler traces with fake tensors, which do not keep oneDNN's layout: a module packed
-    for oneDNN carries `onednn_packed` and passes it to `linear()`, which then calls the packed
-    op on the fake weight too (reading the layout instead, it took F.linear: an mm over an
-    mkldnn tensor at run time, found in two-rank serving on a Zen 4)."""
+    for oneDNN has the kernel recorded (`linear_kernel`) and passes it to `linear()`, which then
+    calls the packed op on the fake weight too (reading the layout instead, it took F.linear: an
+    mm over an mkldnn tensor at run time, found in two-rank serving on a Zen 4)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class ReadsPacked(nn.Module):
-        reads_packed_weight = True
+        linear_packing = LinearPacking.READS_THROUGH_LINEAR
 
         def __init__(self):
             super().__init__()
@@ -278,7 +281,7 @@ def test_a_module_reading_its_weight_through_linear_says_it_is_packed_for_compil
 
     module = ReadsPacked()
     assert pack_linear_weights(nn.Sequential(module), dtypes=(torch.float32,)) == 1
-    assert module.onednn_packed and is_packed(module.weight)
+    assert linear_kernel(module) is LinearKernel.ONEDNN and is_packed(module.weight)
 
     class Ops(TorchDispatchMode):
         """The ops called, by name (not tests.attention_reference's OpRecorder: it reruns
@@ -296,6 +299,61 @@ def test_a_module_reading_its_weight_through_linear_says_it_is_packed_for_compil
         weight, x = mode.from_tensor(module.weight), torch.empty(3, 32)
         # What a compiler sees: torch 2.11-2.13's fake is strided (2.14's keeps the layout).
         with Ops() as ops:
-            out = linear(x, weight, onednn=module.onednn_packed)
+            out = linear(x, weight, kernel=linear_kernel(module))
     assert out.shape == (3, 48)
     assert not any("mm" in name for name in ops.names), ops.names
+
+
+def test_a_module_declaring_it_reads_through_linear_is_packed_in_place():
+    """A module of its own declaring READS_THROUGH_LINEAR keeps its class, its weight packed and
+    the kernel recorded; `module_linear` then computes F.linear's result (float64-checked)."""
+    class ReadsPacked(nn.Module):
+        linear_packing = LinearPacking.READS_THROUGH_LINEAR
+
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(48, 32))
+            self.bias = nn.Parameter(torch.randn(48))
+
+        def forward(self, x):
+            return module_linear(x, self, self.bias)
+
+    torch.manual_seed(0)
+    module = ReadsPacked()
+    plain = module.weight.detach().clone()
+    model = nn.Sequential(module)
+    assert pack_linear_weights(model, dtypes=(torch.float32,)) == 1
+    assert model[0] is module and is_packed(module.weight)
+    assert linear_kernel(module) is LinearKernel.ONEDNN  # fp32 tiles are off in this file
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        want = nn.functional.linear(x.double(), plain.double(), module.bias.double())
+        torch.testing.assert_close(module(x).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_linear_declared_plain_is_left_alone_by_both_transforms():
+    def model():
+        kept = nn.Linear(32, 48)
+        kept.linear_packing = LinearPacking.PLAIN
+        return nn.ModuleDict({"kept": kept, "swapped": nn.Linear(32, 48)})
+
+    packed, small = model(), model()
+    weights = {id(m): m["kept"].weight for m in (packed, small)}
+    assert pack_linear_weights(packed, dtypes=(torch.float32,)) == 1
+    assert isinstance(packed["swapped"], PackedLinear)
+    use_small_batch_linear(small)  # 0 where the CPU kernels cannot be built
+    for m in (packed, small):
+        assert type(m["kept"]) is nn.Linear and m["kept"].weight is weights[id(m)]
+        assert not is_packed(m["kept"].weight) and not hasattr(m["kept"], "linear_kernel")
+
+
+@pytest.mark.parametrize("transform", [pack_linear_weights, use_small_batch_linear])
+def test_an_unknown_declaration_is_refused_before_anything_changes(transform):
+    wrong = nn.Linear(32, 48)
+    wrong.linear_packing = "plain"  # a string, not a LinearPacking
+    model = nn.ModuleDict({"first": nn.Linear(32, 48), "wrong": wrong})
+    with pytest.raises(TypeError, match=r"wrong \(Linear\)\.linear_packing: expected a "
+                                        r"LinearPacking \(LINEAR, READS_THROUGH_LINEAR, PLAIN\), "
+                                        r"got 'plain'"):
+        transform(model)
+    assert type(model["first"]) is nn.Linear and not is_packed(model["first"].weight)

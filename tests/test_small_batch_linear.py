@@ -10,6 +10,7 @@ from torch import nn
 
 import kvgraph
 from kvgraph.cpu import packed_linear
+from kvgraph.cpu.packed_linear import LinearKernel, LinearPacking, linear_kernel
 from kvgraph.cpu.small_batch_linear import (SmallBatchLinear, small_batch_dtypes,
                                         small_batch_kernel_loaded, small_batch_max_rows,
                                         use_small_batch_linear)
@@ -116,7 +117,7 @@ def test_only_plain_fp32_and_unpackable_bf16_linears_change_their_weights_the_sa
             return super().forward(x) * 2
 
     keeps = nn.Linear(4, 6)
-    keeps.keeps_plain_weight = True
+    keeps.linear_packing = LinearPacking.PLAIN
     model = nn.ModuleDict({"fp32": nn.Linear(4, 6), "bf16": nn.Linear(4, 6, dtype=torch.bfloat16),
                            "fp16": nn.Linear(4, 6, dtype=torch.float16),
                            "own": OwnForward(4, 6), "keeps": keeps})
@@ -138,7 +139,8 @@ def test_only_plain_fp32_and_unpackable_bf16_linears_change_their_weights_the_sa
 
 def test_a_module_reading_its_weight_through_linear_is_told_to_run_it():
     """The tensor-parallel row-parallel linear reads its weight through `linear()`: it gets
-    `small_batch = True` (fp32 here) and the kernel runs its rows; an fp16 one keeps F.linear."""
+    the kernel recorded (`linear_kernel`, fp32 here) and the kernel runs its rows; an fp16 one
+    keeps F.linear."""
     from examples.models.tensor_parallel import RowParallelLinear
     from kvgraph.distributed import TensorParallelGroup
 
@@ -146,7 +148,8 @@ def test_a_module_reading_its_weight_through_linear_is_told_to_run_it():
     model = nn.ModuleDict({"fp32": RowParallelLinear(16, 8, bias=False, tp=tp),
                            "fp16": RowParallelLinear(16, 8, tp=tp, dtype=torch.float16)})
     assert use_small_batch_linear(model) == 1
-    assert model["fp32"].small_batch and not model["fp16"].small_batch
+    assert linear_kernel(model["fp32"]) is LinearKernel.SMALL_BATCH
+    assert linear_kernel(model["fp16"]) is LinearKernel.TORCH
     x = torch.randn(3, 16)
     with torch.no_grad(), OpRecorder() as ops:
         got = model["fp32"](x)

@@ -7,6 +7,7 @@ from torch import nn
 
 import kvgraph
 from examples.models.deepseek_mla import DeepseekMLA
+from examples.models import MODELS
 from examples.models.layers import MergedLinear
 from examples.models.llama import Llama
 from examples.models.tensor_parallel import (
@@ -17,6 +18,8 @@ from examples.models.tensor_parallel import (
     shard_model,
     shard_units,
 )
+from kvgraph.cpu.packed_linear import LinearPacking, linear_packing, pack_linear_weights
+from kvgraph.cpu.small_batch_linear import use_small_batch_linear
 from kvgraph.distributed import TensorParallelGroup
 from tests.scenario import NUM_BLOCKS, TOLERANCE, generate
 from tests.tp_harness import run_ranks
@@ -26,7 +29,6 @@ BLOCK_SIZE = 16
 LLAMA = Llama.presets["tiny"]
 LLAMA_ONE_KV_HEAD = {**LLAMA, "num_key_value_heads": 1}
 MLA = DeepseekMLA.presets["tiny"]
-MODELS = {"llama": Llama, "deepseek_mla": DeepseekMLA}
 # The graphs each mode's steps must have replayed (the CPU's default backend, cpu_paged,
 # captures every batch, so "full" runs full graphs only).
 GRAPHS_REPLAYED = {"piecewise": {"piecewise"}, "full": {"full"},
@@ -157,6 +159,18 @@ def test_mla_shards_heads_and_replicates_the_latent(rank, q_lora_rank):
         assert torch.equal(local[p + name], whole[p + name]), name
     assert kvgraph.kv_cache_specs(model, BLOCK_SIZE, torch.float32)[p + "attn"] == \
         kvgraph.MLASpec(BLOCK_SIZE, 32, 8, torch.float32)
+
+
+def test_a_weight_read_as_a_matrix_stays_plain_when_cut():
+    """MLA reads `kv_b_proj`'s weight as W_UK/W_UV matrices: its column-parallel cut keeps the
+    PLAIN declaration, so neither CPU weight transform packs or swaps it."""
+    attn = (model := DeepseekMLA.from_hf(MLA, tp=fake(0))).model.layers[0].self_attn
+    assert type(attn.kv_b_proj) is ColumnParallelLinear
+    assert linear_packing(attn.kv_b_proj) is LinearPacking.PLAIN
+    weight = attn.kv_b_proj.weight
+    pack_linear_weights(model, dtypes=(torch.float32,))
+    use_small_batch_linear(model)
+    assert type(attn.kv_b_proj) is ColumnParallelLinear and attn.kv_b_proj.weight is weight
 
 
 @pytest.mark.parametrize("model_class, config", [(Llama, LLAMA), (DeepseekMLA, MLA)])

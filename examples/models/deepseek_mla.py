@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import kvgraph
+from kvgraph.cpu.packed_linear import LinearPacking
 
 from .causal_lm import CausalLM, DecoderConfig
 from .layers import MergedLinear, RMSNorm, RotaryEmbedding
@@ -94,7 +95,8 @@ class DeepseekMLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(rank, config.rms_norm_eps)
         self.kv_b_proj = nn.Linear(rank, heads * (self.nope_dim + self.v_dim), bias=False)
-        self.kv_b_proj.keeps_plain_weight = True  # read as W_UK/W_UV matrices, not as a linear
+        # Read as W_UK/W_UV matrices, not as a linear: never packed or swapped.
+        self.kv_b_proj.linear_packing = LinearPacking.PLAIN
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
         self.rotary_emb = RotaryEmbedding(self.rope_dim, config.rope_theta)
         scale = (self.nope_dim + self.rope_dim) ** -0.5

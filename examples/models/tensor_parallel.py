@@ -26,7 +26,7 @@ from torch import nn
 
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, all_reduce
-from kvgraph.cpu.packed_linear import linear
+from kvgraph.cpu.packed_linear import LinearPacking, linear_packing, module_linear
 
 from .layers import MergedLinear
 
@@ -112,6 +112,8 @@ class ParallelLinear(nn.Linear):
         for name, full in linear.named_parameters(recurse=False):
             part = new.cut(name, full.detach()).clone(memory_format=torch.contiguous_format)
             setattr(new, name, nn.Parameter(part, requires_grad=full.requires_grad))
+        if linear_packing(linear) is LinearPacking.PLAIN:  # read as a matrix, cut or whole
+            new.linear_packing = LinearPacking.PLAIN
         return new
 
     def cut(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -174,13 +176,12 @@ class RowParallelLinear(ParallelLinear):
 
     dim = 1
 
-    reads_packed_weight = True  # see kvgraph.cpu.packed_linear: its weight may be packed
-    onednn_packed = False  # pack_linear_weights sets it where it packs the weight for oneDNN
-    small_batch = False  # use_small_batch_linear sets it where the CPU kernel takes the weight
+    # Its weight may be packed in place (kvgraph.cpu.packed_linear): forward reads it through
+    # module_linear, the bias left for after the sum.
+    linear_packing = LinearPacking.READS_THROUGH_LINEAR
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = all_reduce(linear(x, self.weight, small_batch=self.small_batch,
-                                onednn=self.onednn_packed), self.tp)
+        out = all_reduce(module_linear(x, self), self.tp)
         return out if self.bias is None else out + self.bias
 
 

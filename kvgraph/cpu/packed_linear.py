@@ -25,7 +25,15 @@ each layer compiles anew.) Inductor lowers mkldnn's linear only on constant weig
 packed matmuls are ops of kvgraph's own, opaque to compilers like the attention ops; their fake
 kernels give the output's shape.
 
-A module whose weight may be packed calls `linear(x, weight, bias)` instead of `F.linear`.
+How a model says how its linears may be packed: by one module attribute, `linear_packing`, a
+`LinearPacking` (on the class or the instance; `linear_packing(module)` reads it). The default,
+`LINEAR`, lets the transforms (`pack_linear_weights` and `use_small_batch_linear`) swap an
+`nn.Linear` keeping its forward for a `PackedLinear` or a `SmallBatchLinear`. A module of its
+own that reads its weight by `module_linear(x, self)` declares `READS_THROUGH_LINEAR`: its weight
+is packed in place and it keeps its class, and the transforms record the kernel they chose in
+the one attribute they own, `linear_kernel`, which `module_linear` passes on (traced code cannot
+read a weight's layout: see `linear`). A module whose weight the model reads as a matrix
+declares `PLAIN` and is left as it is. Any other value is a TypeError before anything changes.
 
 fp32 weights stay plain (MKL's sgemm reads them as they are), except on AMD processors with
 AVX-512, where kvgraph's fp32 tiles measured fastest, and oneDNN's packed fp32 linear next
@@ -35,6 +43,7 @@ small-batch kernel at a decode step's few rows (`kvgraph.cpu.small_batch_linear`
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 from pathlib import Path
@@ -81,23 +90,79 @@ def is_packed(weight: torch.Tensor) -> bool:
     return weight.layout == torch._mkldnn or is_tile_packed(weight)
 
 
+class LinearPacking(enum.Enum):
+    """What the weight transforms may do to a module's weight: a model's declaration, the
+    module's `linear_packing` attribute (LINEAR where it has none)."""
+
+    LINEAR = "linear"  # an nn.Linear keeping its forward may be swapped for a kvgraph one
+    READS_THROUGH_LINEAR = "reads through linear"  # forward calls module_linear: packed in place
+    PLAIN = "plain"  # the model reads the weight as a matrix: left as it is
+
+
+class LinearKernel(enum.Enum):
+    """The kernel that runs a `READS_THROUGH_LINEAR` module's weight, recorded on it by the
+    transforms (its `linear_kernel` attribute; TORCH where they chose none)."""
+
+    TORCH = "F.linear"
+    TILES = "kvgraph's tile kernel"
+    ONEDNN = "oneDNN's packed linear"
+    SMALL_BATCH = "kvgraph's small-batch kernel"
+
+
+def linear_packing(module: nn.Module, path: str = "") -> LinearPacking:
+    """`module`'s declared `LinearPacking` (LINEAR where it declares none); a TypeError, naming
+    the module by `path` where given, for anything else."""
+    packing = getattr(module, "linear_packing", LinearPacking.LINEAR)
+    if not isinstance(packing, LinearPacking):
+        name = f"{path} ({type(module).__name__})" if path else type(module).__name__
+        raise TypeError(f"{name}.linear_packing: expected a LinearPacking ("
+                        f"{', '.join(p.name for p in LinearPacking)}), got {packing!r}; declare "
+                        f"it as e.g. `linear_packing = LinearPacking.PLAIN`")
+    return packing
+
+
+def declared_packings(model: nn.Module) -> dict[nn.Module, LinearPacking]:
+    """Every module of `model` with its `LinearPacking`: all checked before a transform changes
+    anything."""
+    return {module: linear_packing(module, path) for path, module in model.named_modules()}
+
+
+def keeps_linear_forward(module: nn.Module) -> bool:
+    """Whether `module` is an `nn.Linear` running `nn.Linear`'s forward: a subclass with a
+    forward of its own reads its weight itself, so swapping the module would lose that."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def linear_kernel(module: nn.Module) -> LinearKernel:
+    """The kernel the transforms recorded on `module` (TORCH where they recorded none)."""
+    return getattr(module, "linear_kernel", LinearKernel.TORCH)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_batch: bool = False, onednn: bool | None = None) -> torch.Tensor:
-    """`F.linear`, for a plain or a packed weight (a packed one knows its `[out, in]` shape);
-    `small_batch` (a module's, set by `use_small_batch_linear`) runs a plain one's batches of
-    few rows in kvgraph's small-batch kernel. `onednn` says whether the weight is oneDNN's
-    packed one (a module's `onednn_packed`, set by `pack_linear_weights`); under a compiler it
-    must be given, because torch 2.11-2.13's fake tensors do not keep oneDNN's layout (None:
-    read the layout)."""
-    if is_tile_packed(weight):
+           kernel: LinearKernel | None = None) -> torch.Tensor:
+    """`F.linear`, for a plain or a packed weight (a packed one knows its `[out, in]` shape), by
+    `kernel`. None reads it from the weight's layout, which only eager code may do: torch
+    2.11-2.13's fake tensors, which compilers trace with, do not keep oneDNN's layout, so a
+    module's forward passes the kernel recorded on it (`module_linear`)."""
+    if kernel is None:
+        kernel = (LinearKernel.TILES if is_tile_packed(weight)
+                  else LinearKernel.ONEDNN if weight.layout == torch._mkldnn
+                  else LinearKernel.TORCH)
+    if kernel is LinearKernel.TILES:
         return tile_linear(x, weight, bias)
-    if onednn is None:
-        onednn = weight.layout == torch._mkldnn
-    if onednn:
+    if kernel is LinearKernel.ONEDNN:
         return torch.ops.kvgraph.packed_linear(x, weight, bias, weight.shape[0])
-    if small_batch:
+    if kernel is LinearKernel.SMALL_BATCH:
         return torch.ops.kvgraph_cpu.small_batch_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def module_linear(x: torch.Tensor, module: nn.Module, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """`F.linear(x, module.weight, bias)` by the kernel the transforms recorded on `module`: how
+    a `READS_THROUGH_LINEAR` module reads its weight. `bias` is the caller's (a row-parallel
+    linear adds its own after the sum over ranks)."""
+    return linear(x, module.weight, bias, linear_kernel(module))
 
 
 # oneDNN's checks of the processor for its reduced-precision kernels (packing and matmul); without
@@ -203,13 +268,12 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] | None
     """Pack the weight of every CPU linear of `model` whose dtype is in `dtypes` (by default
     `packed_dtypes()`), in place; returns how many were packed.
 
-    A plain `nn.Linear` (or a subclass keeping its forward) becomes a `PackedLinear`; a module
-    of another class is packed only if it says it reads its weight through `linear()`
-    (`reads_packed_weight = True`), and then keeps its class and gets `onednn_packed`, which it
-    passes to `linear()`. A module whose weight the model reads as a matrix says so with
-    `keeps_plain_weight = True` and is left alone. Call after loading weights: a packed weight
-    no longer takes `load_state_dict`.
+    What each module may take is its `LinearPacking` (the module docstring): an `nn.Linear`
+    keeping its forward becomes a `PackedLinear`; a `READS_THROUGH_LINEAR` module keeps its class,
+    its weight packed in place and the kernel recorded (`linear_kernel`); a `PLAIN` one is left
+    alone. Call after loading weights: a packed weight no longer takes `load_state_dict`.
     """
+    packings = declared_packings(model)
     if not can_pack():
         logger.info("kvgraph: this torch has no oneDNN; linear weights stay unpacked")
         return 0
@@ -217,22 +281,21 @@ def pack_linear_weights(model: nn.Module, dtypes: tuple[torch.dtype, ...] | None
     packed, unpackable = 0, {}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            weight = getattr(child, "weight", None)
+            weight, packing = getattr(child, "weight", None), packings[child]
             if (not isinstance(weight, torch.Tensor) or weight.device.type != "cpu"
                     or weight.dtype not in dtypes or is_packed(weight)
-                    or getattr(child, "keeps_plain_weight", False)):
+                    or packing is LinearPacking.PLAIN):
                 continue
-            reads_packed = getattr(child, "reads_packed_weight", False)
-            if not (reads_packed or isinstance(child, nn.Linear)
-                    and type(child).forward is nn.Linear.forward):
+            in_place = packing is LinearPacking.READS_THROUGH_LINEAR
+            if not (in_place or keeps_linear_forward(child)):
                 continue
             if not (tile_packable(weight) or can_pack(weight.dtype)):
                 unpackable[weight.dtype] = unpackable.get(weight.dtype, 0) + 1
                 continue
-            if reads_packed:
+            if in_place:
                 child.weight = nn.Parameter(pack_weight(weight), requires_grad=False)
-                # Traced code cannot tell (see `linear`): the module passes this on.
-                child.onednn_packed = child.weight.layout == torch._mkldnn
+                child.linear_kernel = (LinearKernel.TILES if is_tile_packed(child.weight)
+                                       else LinearKernel.ONEDNN)
             else:
                 setattr(parent, name, PackedLinear(child))
             packed += 1

@@ -5,8 +5,9 @@ An fp32 `nn.Linear` becomes a `SmallBatchLinear`: batches of a decode step's few
 (small_batch_linear.cpp among the CPU kernels), which reads the weight once per call where MKL
 copies it first; larger ones run `F.linear` as before. So do bf16 linears that oneDNN cannot
 pack (`kvgraph.cpu.packed_linear`), their larger batches widened to fp32 for MKL (torch's own bf16
-matmul is several times slower there). A module that reads its weight through
-`kvgraph.cpu.packed_linear.linear()` is told instead (`small_batch = True`) and passes it on.
+matmul is several times slower there). A module declaring `LinearPacking.READS_THROUGH_LINEAR`
+keeps its class and gets the kernel recorded instead (`linear_kernel`), which its
+`module_linear` call passes on (`kvgraph.cpu.packed_linear`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import logging
 import torch
 from torch import nn
 
-from kvgraph.cpu.packed_linear import can_pack, dtype_name
-from kvgraph.cpu.tile_weights import linear_kernel_loaded
+from kvgraph.cpu.packed_linear import (LinearKernel, LinearPacking, can_pack, declared_packings,
+                                       dtype_name, keeps_linear_forward)
+from kvgraph.cpu.tile_weights import is_tile_packed, linear_kernel_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -72,32 +74,34 @@ def small_batch_dtypes() -> tuple[torch.dtype, ...]:
 
 
 def use_small_batch_linear(model: nn.Module) -> int:
-    """Make every CPU `nn.Linear` of `model` (or a subclass keeping its forward) whose weight is
-    plain and of a `small_batch_dtypes()` dtype a `SmallBatchLinear`, and set `small_batch =
-    True` on each such module that reads its weight through `linear()` (`reads_packed_weight`),
-    in place; returns how many. Weights are not touched, so this may come before or after
-    loading them (and after `pack_linear_weights`, which leaves these plain). None where the
-    CPU kernels cannot be built (logged)."""
+    """Make every CPU `nn.Linear` of `model` keeping its forward whose weight is plain and of a
+    `small_batch_dtypes()` dtype a `SmallBatchLinear`, and record the kernel (`linear_kernel`)
+    on each such module declaring `LinearPacking.READS_THROUGH_LINEAR`, in place; returns how
+    many. `PLAIN` modules are left alone. Weights are not touched, so this may come before or
+    after loading them (and after `pack_linear_weights`, whose packed weights are not plain).
+    None where the CPU kernels cannot be built (logged)."""
+    packings = declared_packings(model)
     dtypes = small_batch_dtypes()
 
     def takes_kernel(module: nn.Module) -> bool:
+        # Tiles are strided tensors too: a module packed into them keeps the tile kernel.
         weight = getattr(module, "weight", None)
         return (isinstance(weight, torch.Tensor) and weight.layout == torch.strided
-                and weight.device.type == "cpu" and weight.dtype in dtypes
-                and not getattr(module, "keeps_plain_weight", False))
+                and not is_tile_packed(weight) and weight.device.type == "cpu"
+                and weight.dtype in dtypes)
 
     linears = [(parent, name, child) for parent in list(model.modules())
                for name, child in list(parent.named_children())
-               if isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward
+               if packings[child] is LinearPacking.LINEAR and keeps_linear_forward(child)
                and takes_kernel(child)]
     readers = [m for m in model.modules()
-               if getattr(m, "reads_packed_weight", False) and takes_kernel(m)]
+               if packings[m] is LinearPacking.READS_THROUGH_LINEAR and takes_kernel(m)]
     if not (linears or readers) or not small_batch_kernel_loaded():
         return 0
     for parent, name, child in linears:
         setattr(parent, name, SmallBatchLinear(child))
-    for module in readers:  # they pass it to linear()
-        module.small_batch = True
+    for module in readers:
+        module.linear_kernel = LinearKernel.SMALL_BATCH
     weights = [c.weight for *_, c in linears] + [m.weight for m in readers]
     logger.info("kvgraph: %d linears (%s) run the small-batch kernel at up to %d rows",
                 len(weights), ", ".join(sorted({dtype_name(w.dtype) for w in weights})),

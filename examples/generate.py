@@ -4,7 +4,8 @@
 
 A few prompts go through the same continuous-batching engine the server uses (its scheduler,
 paged KV cache blocks and sampler) and `kvgraph.ModelRunner`, in the graph mode of
-`--graph-mode` (default piecewise; `eager` runs the model as written). The example models'
+`--graph-mode` (default the device's: full on the CPU, piecewise elsewhere; `eager` runs the
+model as written). The example models'
 weights are random, so their text is noise, but the path is the one a served model takes:
 compile, capture, then replay per batch descriptor. `--model PATH` serves a local Hugging Face
 checkpoint instead.
@@ -30,15 +31,13 @@ if __package__:
     from .engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
                          build_engine, run_if_worker)
     from .engine.flag_types import float_in, int_in, positive_int
-    from .models import DeepseekMLA, Llama
+    from .models import MODELS
 else:  # run as `python examples/generate.py`: this folder, not the repo root, is on sys.path
     from engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
                         build_engine, run_if_worker)
     from engine.flag_types import float_in, int_in, positive_int
-    from models import DeepseekMLA, Llama
+    from models import MODELS
 
-# "deepseek_mla" is the name earlier versions of this demo used.
-MODELS = {"llama": Llama, "mla": DeepseekMLA, "deepseek_mla": DeepseekMLA}
 PROMPTS = (
     "The quick brown fox",
     "A paged KV cache keeps each sequence in fixed-size blocks, so",

@@ -13,14 +13,12 @@ from typing import Callable
 import torch
 
 import kvgraph
-from examples.models.deepseek_mla import DeepseekMLA
-from examples.models.llama import Llama
+from examples.models import MODELS
 from kvgraph.attention.backends import GraphSupport, register_attention_backend
 from kvgraph.attention.backends.torch_native import TorchNativeBackend
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
-MODELS = {"llama": Llama, "deepseek_mla": DeepseekMLA}
 
 # Each step: (request, new tokens) in batch order. Mixed prefill, chunked prefill and decode;
 # batch sizes 1, 3, 4, 11, 17, 19, ... so some fall between and above typical compile sizes.

@@ -17,10 +17,12 @@ import time
 import pytest
 
 from examples.engine import AsyncEngine, SamplingParams, build_engine
-from examples.engine.burst_window import CPU_GAP_MS, MAX_GAP_MS, MAX_GAPS, BurstWindow, burst_window
+from examples.engine.burst_window import MAX_GAP_MS, MAX_GAPS, BurstWindow, burst_window
 from examples.engine.engine_core import ADD, OUTPUTS, STOP, STOPPED, EngineCore
 from examples.serve import MODELS, parse_args
+from kvgraph.runtime.platforms.cpu import CPUPlatform
 
+CPU_GAP_MS = CPUPlatform.default_burst_gap_ms
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 MAX_NUM_SEQS = 4
 

@@ -17,9 +17,8 @@ import torch
 
 from examples.engine.checkpoint import load_checkpoint
 from examples.generate import main as generate_main
-from examples.models import DeepseekMLA, Llama
+from examples.models import MODELS, Llama
 
-MODELS = {"llama": Llama, "mla": DeepseekMLA}
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 CORPUS = ["the quick brown fox jumps over the lazy dog", "paged attention keeps blocks",

@@ -1,6 +1,7 @@
-"""The engine's flag defaults that depend on the device: the token budget per step, the graph
-mode and the capture sizes (on the CPU, decode sizes only: an engine so built generates what
-one capturing every size does, running its larger steps without graphs)."""
+"""The engine's flag defaults that depend on the device, its platform's answers: the token
+budget per step, the graph mode and the capture sizes (on the CPU, decode sizes only: an engine
+so built generates what one capturing every size does, running its larger steps without
+graphs)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,22 @@ import pytest
 from examples.engine import SamplingParams, add_engine_args, build_engine
 from examples.generate import MODELS, parse_args
 from kvgraph import GraphMode
+from kvgraph.runtime import platforms
+from kvgraph.runtime.platforms.cpu import CPUPlatform
+from kvgraph.runtime.platforms.npu import npu_platform
+from kvgraph.runtime.platforms.stream import StreamPlatform
+from tests import fake_torch_npu
 
-from examples.engine.engine_args import (
-    DEFAULT_TOKEN_BUDGET,
-    DEFAULT_TOKEN_BUDGETS,
-    compilation_config,
-)
+from examples.engine.engine_args import compilation_config
+
+DEFAULT_TOKEN_BUDGET = StreamPlatform.default_max_num_tokens
+
+
+@pytest.fixture(autouse=True)
+def npu(monkeypatch):
+    """The NPU platform over torch_npu's stand-in (the real one is never imported in tests)."""
+    fake_torch_npu.install(monkeypatch)
+    monkeypatch.setitem(platforms._platforms, "npu", npu_platform())
 
 
 def budget(*flags: str) -> int:
@@ -26,7 +37,7 @@ def budget(*flags: str) -> int:
 
 def test_the_cpu_budget_is_what_its_prefill_does_best(monkeypatch):
     monkeypatch.delenv("KVGRAPH_MAX_NUM_TOKENS", raising=False)
-    assert budget() == budget("--device", "cpu") == DEFAULT_TOKEN_BUDGETS["cpu"] == 1024
+    assert budget() == budget("--device", "cpu") == CPUPlatform.default_max_num_tokens == 1024
 
 
 # Ids without "cuda": that keyword marks a test that needs a GPU.

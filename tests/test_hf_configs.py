@@ -16,12 +16,11 @@ from torch._dynamo.testing import CompileCounter
 
 import kvgraph
 from examples.engine.checkpoint import load_checkpoint
-from examples.models import DeepseekMLA, Llama
+from examples.models import MODELS, DeepseekMLA
 from examples.models.rope import ROPE_TYPES, RopeParameters, RotaryEmbedding
 
 transformers = pytest.importorskip("transformers")
 
-MODELS = {"llama": Llama, "mla": DeepseekMLA}
 BLOCK_SIZE = 4
 SEQ_LEN = 40
 TOLERANCE = {"atol": 1e-4, "rtol": 1e-4}

@@ -88,3 +88,15 @@ def test_without_torch_npu_the_error_names_the_cause_and_the_autoload_switch(mon
     monkeypatch.delitem(platforms._platforms, "npu", raising=False)
     with pytest.raises(PlatformError, match="torch_npu.*TORCH_DEVICE_BACKEND_AUTOLOAD=0"):
         platforms.get_platform("npu")
+
+
+def test_the_npu_serves_with_kvgraphs_defaults_over_hccl_one_npu_per_rank(npu, monkeypatch):
+    platform = npu_platform()
+    assert platform.default_graph_mode is None  # kvgraph's own, piecewise
+    assert (platform.default_max_num_tokens, platform.captures_decode_only) == (128, False)
+    assert (platform.default_burst_gap_ms, platform.distributed_backend) == (0.0, "hccl")
+    assert platform.device_memory is npu and platform.rank_device(2) == "npu:2"
+    chosen: list[int] = []
+    monkeypatch.setattr(npu, "set_device", chosen.append, raising=False)
+    platform.set_device(2)
+    assert chosen == [2]

@@ -128,7 +128,7 @@ def test_a_device_graph_keeps_only_weak_references_to_its_outputs():
     import gc
     import weakref
 
-    from kvgraph.runtime.platforms.base import StreamGraph
+    from kvgraph.runtime.platforms.stream import StreamGraph
 
     class Graph:
         def replay(self):
@@ -158,3 +158,77 @@ def test_a_device_graph_keeps_only_weak_references_to_its_outputs():
         gc.collect()
         assert made[0]() is None, "the graph kept its output alive"
         assert graph.replay((torch.ones(4),))[0].data_ptr() == pointer, "same memory each replay"
+
+
+# --- the defaults a serving engine asks of a platform ---------------------------------------
+
+
+def protocol_members(protocol: type) -> set[str]:
+    declared = set(getattr(protocol, "__annotations__", {}))
+    return declared | {name for name, value in vars(protocol).items()
+                       if callable(value) and not name.startswith("_")}
+
+
+def test_every_platform_answers_the_whole_protocol():
+    from kvgraph.runtime.platforms import Platform
+    from kvgraph.runtime.platforms.cuda import cuda_platform
+
+    for platform in (get_platform("cpu"), cuda_platform()):
+        missing = [m for m in sorted(protocol_members(Platform)) if not hasattr(platform, m)]
+        assert not missing, f"{platform.name} lacks {missing}"
+
+
+def test_the_cpu_serves_with_its_measured_defaults():
+    from kvgraph.runtime.platforms.base import SERVING_CORES
+
+    cpu = get_platform("cpu")
+    assert cpu.default_graph_mode is kvgraph.GraphMode.FULL
+    assert (cpu.default_max_num_tokens, cpu.captures_decode_only) == (1024, True)
+    assert (cpu.default_burst_gap_ms, cpu.serving_cores) == (3.0, SERVING_CORES)
+    assert (cpu.distributed_backend, cpu.device_memory) == ("gloo", None)
+    assert cpu.rank_device(0) == cpu.rank_device(3) == "cpu"  # the ranks share the CPU
+    cpu.set_device(3)
+    assert cpu.total_memory("cpu") > 2**20
+
+
+def test_a_gpu_serves_with_kvgraphs_defaults_and_its_own_collectives():
+    # Building the CUDA platform touches no device ("gpu": the cuda keyword marks GPU tests).
+    from kvgraph.runtime.platforms.cuda import cuda_platform
+
+    gpu = cuda_platform()
+    assert gpu.default_graph_mode is None  # kvgraph's own, piecewise
+    assert (gpu.default_max_num_tokens, gpu.captures_decode_only) == (128, False)
+    assert (gpu.default_burst_gap_ms, gpu.distributed_backend) == (0.0, "nccl")
+    assert gpu.device_memory is torch.cuda  # its caching allocator sizes the KV cache
+    assert gpu.rank_device(1) == "cuda:1"
+
+
+def test_the_cpu_packs_weights_then_moves_them_to_huge_pages_and_keeps_freed_memory(
+        monkeypatch):
+    from kvgraph.runtime.platforms import cpu as cpu_module
+
+    calls: list[str] = []
+    for name in ("pack_linear_weights", "use_small_batch_linear", "use_huge_pages"):
+        monkeypatch.setattr(cpu_module, name, lambda model, name=name: calls.append(name))
+    monkeypatch.setattr(cpu_module.malloc_policy, "keep_freed_memory",
+                        lambda: calls.append("keep_freed_memory"))
+    cpu = get_platform("cpu")
+    model = torch.nn.Linear(2, 2)
+    cpu.prepare_model(model, pack_weights=True, huge_pages=True)
+    cpu.prepare_process(keep_freed_memory=True)
+    assert calls == ["pack_linear_weights", "use_small_batch_linear", "use_huge_pages",
+                     "keep_freed_memory"]  # huge pages after packing: the final bytes
+    calls.clear()
+    cpu.prepare_model(model, pack_weights=False, huge_pages=False)
+    cpu.prepare_process(keep_freed_memory=False)
+    assert calls == []
+
+
+def test_a_gpu_leaves_the_weights_and_the_allocator_as_they_are():
+    from kvgraph.runtime.platforms.cuda import cuda_platform
+
+    model = torch.nn.Linear(2, 2)
+    weight = model.weight
+    cuda_platform().prepare_model(model, pack_weights=True, huge_pages=True)
+    cuda_platform().prepare_process(keep_freed_memory=True)
+    assert model.weight is weight and model.weight.layout == torch.strided

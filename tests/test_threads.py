@@ -18,7 +18,7 @@ from examples.engine import add_engine_args, build_engine
 from examples.engine.threads import (bind_compute_threads, choose_threads, set_compute_threads,
                                      usable_cores)
 from examples.engine.tp_launch import ranks_on_node
-from examples.models import DeepseekMLA, Llama
+from examples.models import MODELS
 
 
 @pytest.mark.parametrize("cores, ranks, threads", [
@@ -78,7 +78,7 @@ def test_building_the_engine_sets_its_threads(flag, threads):
     args = add_engine_args(argparse.ArgumentParser()).parse_args(
         ["--preset", "tiny", "--graph-mode", "eager", "--max-model-len", "64", *flag])
     torch.set_num_threads(threads + 1)
-    engine, summary = build_engine(args, {"llama": Llama, "mla": DeepseekMLA})
+    engine, summary = build_engine(args, MODELS)
     engine.runner.close()
     assert torch.get_num_threads() == summary["threads"] == threads
 

@@ -21,7 +21,7 @@ import torch
 from examples.benchmarks.timing import machine, write_json
 from examples.benchmarks.engine_steps import alternating_step_ms, engine_parser
 from examples.engine import build_engine
-from examples.models import Llama
+from examples.models import MODELS
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engines = {}
     for mode in args.modes:
         args.graph_mode = mode
-        engines[mode] = build_engine(args, {"llama": Llama})[0]
+        engines[mode] = build_engine(args, MODELS)[0]
     medians = alternating_step_ms(engines, args)
     base = "eager" if "eager" in medians else args.modes[0]
     payload = {"machine": machine(torch.device("cpu")), "date": time.strftime("%Y-%m-%d"),

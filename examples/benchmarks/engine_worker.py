@@ -39,7 +39,7 @@ def build_kvgraph(settings: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
     import torch
 
     from examples.engine import SamplingParams, add_engine_args, build_engine
-    from examples.models import Llama
+    from examples.models import MODELS
 
     parser = add_engine_args(argparse.ArgumentParser())
     args = parser.parse_args([
@@ -48,7 +48,7 @@ def build_kvgraph(settings: dict[str, Any]) -> tuple[Generate, dict[str, Any]]:
         "--max-model-len", str(settings["max_model_len"]),
         "--max-num-seqs", str(settings["max_num_seqs"]),
         "--no-enable-prefix-caching", *settings["kvgraph_args"]])
-    engine, summary = build_engine(args, {"llama": Llama})
+    engine, summary = build_engine(args, MODELS)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)

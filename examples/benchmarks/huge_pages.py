@@ -27,7 +27,7 @@ from torch import nn
 from examples.benchmarks.engine_steps import alternating_step_ms, engine_parser
 from examples.benchmarks.timing import machine, write_json
 from examples.engine import build_engine
-from examples.models import Llama
+from examples.models import MODELS
 from kvgraph.cpu.huge_pages import huge_page_tensors, thp_unavailable_reason
 from kvgraph.cpu.packed_linear import PackedLinear
 from kvgraph.cpu.small_batch_linear import SmallBatchLinear, small_batch_kernel_loaded
@@ -76,7 +76,7 @@ def engine_ms(args) -> tuple[list[torch.Tensor], dict[str, dict[str, float]]]:
     engines = {}
     for name, huge in SETTINGS.items():
         args.huge_pages = huge
-        engines[name] = build_engine(args, {"llama": Llama})[0]
+        engines[name] = build_engine(args, MODELS)[0]
     steps = alternating_step_ms(engines, args)
     weights = [plain_weight(m.weight.detach()) for m in engines["4k"].runner.model.modules()
                if isinstance(m, (nn.Linear, SmallBatchLinear, PackedLinear))]

@@ -26,10 +26,9 @@ from torch._inductor import config as inductor_config
 from examples.benchmarks.timing import machine, write_json
 from examples.engine import LLMEngine, SamplingParams, build_engine
 from examples.engine.engine_args import add_engine_args
-from examples.models import DeepseekMLA, Llama
+from examples.models import MODELS
 
 KINDS = ("serial", "parallel")
-MODELS = {"llama": Llama, "mla": DeepseekMLA}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -23,7 +23,7 @@ import torch
 from examples.benchmarks.timing import machine, write_json
 from examples.benchmarks.engine_steps import decode_step_ms, engine_parser, random_prompts
 from examples.engine import build_engine
-from examples.models import Llama
+from examples.models import MODELS
 
 KINDS = ("frozen", "unfrozen")
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = engine_parser(__doc__.splitlines()[0], 10, "startup_gc.json").parse_args(argv)
     if args.threads is None:
         args.threads = 1
-    engine, summary = build_engine(args, {"llama": Llama})
+    engine, summary = build_engine(args, MODELS)
     rng = random.Random(0)
     vocab = engine.runner.model.config.vocab_size
     payload = {"machine": machine(torch.device("cpu")), "date": time.strftime("%Y-%m-%d"),

@@ -9,7 +9,7 @@ one process; rounds alternate the budgets' order, and each round times, per budg
   longest step until it has its first token (what the decoding requests wait between two
   tokens) and the median decode-only step before it.
 Prints medians and writes JSON; the engine's default budget for the device is
-`engine_args.DEFAULT_TOKEN_BUDGETS`.
+its platform's `default_max_num_tokens` (kvgraph/runtime/platforms/cpu.py).
 
     python -m examples.benchmarks.token_budget --model ~/.cache/kvgraph-bench/llama-small \
         [--budgets 256 512 1024 2048] [--threads 2] [--rounds 6]
@@ -28,9 +28,7 @@ import torch
 from examples.benchmarks.engine_steps import generate_s
 from examples.benchmarks.timing import machine, write_json
 from examples.engine import LLMEngine, SamplingParams, add_engine_args, build_engine
-from examples.models import DeepseekMLA, Llama
-
-MODELS = {"llama": Llama, "mla": DeepseekMLA}
+from examples.models import MODELS
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

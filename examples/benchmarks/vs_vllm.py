@@ -50,7 +50,7 @@ from examples.benchmarks.engine_worker import WORKER, Worker
 from examples.benchmarks.quiet import paused, wait_until_quiet
 from examples.benchmarks.timing import machine, write_json
 from examples.benchmarks.vs_vllm_serve import measure_serving
-from examples.engine.engine_args import DEFAULT_GRAPH_MODES
+from kvgraph.runtime.platforms.cpu import CPUPlatform
 
 PARTS = ("decode", "prefill", "serve")
 DTYPES = ("float32", "bfloat16")
@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-parity", dest="parity", action="store_false",
                         help="report a greedy mismatch instead of failing on it (and allow "
                         "--dtypes without float32, where parity is not checked)")
-    parser.add_argument("--graph-mode", default=DEFAULT_GRAPH_MODES["cpu"].value,
+    parser.add_argument("--graph-mode", default=CPUPlatform.default_graph_mode.value,
                         help="kvgraph's graph mode (default: the engine's on the CPU)")
     parser.add_argument("--kvgraph-arg", action="append", default=[], metavar="FLAG",
                         help="one more flag for kvgraph's engine and server (repeatable), e.g. "

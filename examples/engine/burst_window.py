@@ -17,16 +17,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, TypeVar
 
+from kvgraph.runtime.platforms import get_platform
+
 logger = logging.getLogger(__name__)
 Message = TypeVar("Message")
 
 # The whole wait is at most this many gaps: a steady trickle must not hold the first request.
+# The default gap is the device platform's (`default_burst_gap_ms`: 3 ms on the CPU, whose
+# prefill steps take tens of milliseconds; off on an accelerator, whose steps take a few).
 MAX_GAPS = 4
-# The default gap where the device is the CPU: its prefill steps take tens of milliseconds, and
-# a burst reached the engine within 1-7 ms on the 2-core VM. On an accelerator a step takes a
-# few milliseconds, so the wait would cost a lone request's time to first token as much as it
-# saves; it is off there unless asked for.
-CPU_GAP_MS = 3.0
 # The longest gap (--burst-gap-ms): a second's wait before an idle engine's first step is far
 # beyond any burst's spread, and an unbounded one (inf, 1e300) stopped the engine loop.
 MAX_GAP_MS = 1000.0
@@ -46,10 +45,9 @@ class BurstWindow:
 
     @classmethod
     def for_device(cls, device: str, gap_ms: float | None) -> BurstWindow:
-        """`gap_ms` when given, else the device's default (`CPU_GAP_MS` on the CPU, 0 on an
-        accelerator)."""
+        """`gap_ms` when given, else the default of the device's platform."""
         if gap_ms is None:
-            gap_ms = CPU_GAP_MS if device.split(":")[0] == "cpu" else 0.0
+            gap_ms = get_platform(device).default_burst_gap_ms
         return cls(gap_ms / 1000)
 
     def gather(self, receive: Callable[[float], Message | None],

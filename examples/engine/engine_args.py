@@ -27,11 +27,8 @@ from torch import nn
 import kvgraph
 from kvgraph.attention.metadata import MAX_SEQ_LEN
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
-from kvgraph.cpu.huge_pages import use_huge_pages
 from kvgraph.inspect import units
-from kvgraph.cpu.malloc_policy import keep_freed_memory
-from kvgraph.cpu.packed_linear import pack_linear_weights
-from kvgraph.cpu.small_batch_linear import use_small_batch_linear
+from kvgraph.runtime.platforms import get_platform
 
 from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
@@ -44,28 +41,6 @@ from .tp_workers import run_worker, start_rank_zero
 
 logger = logging.getLogger(__name__)
 
-# Tokens per step when neither --max-num-tokens nor KVGRAPH_MAX_NUM_TOKENS says, by device type.
-# On the CPU, prefill throughput (small Llama, piecewise; benchmarks/token_budget.py) rises to
-# 1024 tokens per step, 2-7% over 512's, and no further at 2048, while the longest step a
-# decoding request waits through grows with the budget (1.4x 512's at 1024). Steps above the
-# capture sizes run without graphs (see DECODE_CAPTURE_ONLY).
-DEFAULT_TOKEN_BUDGETS = {"cpu": 1024}
-# Elsewhere (not yet measured): small enough that capturing every size stays quick.
-DEFAULT_TOKEN_BUDGET = 128
-# Graph mode when neither --graph-mode nor KVGRAPH_GRAPH_MODE says, by device type (elsewhere
-# kvgraph's default, piecewise). A CPU graph saves no launches, and one graph of the whole
-# forward skips the pieces' own Python between attention ops: decode steps 7-14% faster than
-# piecewise on one thread, 7-10% at batch 1 on two (batch 16 within noise; small Llama, Zen 4,
-# benchmarks/engine_graph_modes.py; README, "Graph modes against eager on the CPU"), for a
-# cold compile ~1.35x piecewise's (warm: equal).
-DEFAULT_GRAPH_MODES = {"cpu": kvgraph.GraphMode.FULL}
-# Device types whose default capture sizes (neither --capture-sizes nor KVGRAPH_CAPTURE_SIZES
-# said) stop at --max-num-seqs, a decode step's largest batch. A CPU graph saves no launches
-# (its replay reruns the compiled forward and copies the outputs), so larger steps lose nothing
-# running that forward without graphs (and without padding to a size), while capturing them
-# made start-up several times longer (README, "Capture sizes on the CPU"). Decode sizes stay
-# captured, so serving keeps the graph contract's path that devices run.
-DECODE_CAPTURE_ONLY = ("cpu",)
 # Context when neither --max-model-len nor a smaller max_position_embeddings says.
 DEFAULT_MAX_MODEL_LEN = 1024
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -165,18 +140,17 @@ def load_model(args: argparse.Namespace, models: Mapping[str, Any],
 
 
 def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
-    """kvgraph's flags and environment, with this engine's default token budget, graph mode
-    and capture sizes for the device."""
+    """kvgraph's flags and environment, with the device platform's default token budget, graph
+    mode and capture sizes where neither says."""
     config = kvgraph.CompilationConfig.from_cli_args(args)
-    device_type = args.device.split(":")[0]
+    platform = get_platform(args.device)
     if args.max_num_tokens is None and "KVGRAPH_MAX_NUM_TOKENS" not in os.environ:
-        budget = DEFAULT_TOKEN_BUDGETS.get(device_type, DEFAULT_TOKEN_BUDGET)
-        config = config.replace(max_num_tokens=budget)
+        config = config.replace(max_num_tokens=platform.default_max_num_tokens)
     if (args.graph_mode is None and "KVGRAPH_GRAPH_MODE" not in os.environ
-            and device_type in DEFAULT_GRAPH_MODES):
-        config = config.replace(graph_mode=DEFAULT_GRAPH_MODES[device_type])
+            and platform.default_graph_mode is not None):
+        config = config.replace(graph_mode=platform.default_graph_mode)
     if (args.capture_sizes is None and "KVGRAPH_CAPTURE_SIZES" not in os.environ
-            and device_type in DECODE_CAPTURE_ONLY):
+            and platform.captures_decode_only):
         config = config.replace(capture_sizes=decode_capture_sizes(config, args.max_num_seqs))
     return config
 
@@ -207,21 +181,17 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
     of their cache sizes (devices may have different memory free).
     """
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's, not the flag's
+    platform = get_platform(device)
     if args.block_size is None:
-        args.block_size = kvgraph.ModelRunner.default_block_size(device)
+        args.block_size = platform.default_block_size
     tp = tensor_parallel_group()
     # Before the model compiles: inductor's CPU kernels keep the thread count they are built with.
     threads = set_compute_threads(args.threads, ranks_on_node(tp.world_size),
                                   f"rank {tp.rank} of {tp.world_size}" if tp.world_size > 1
-                                  else "engine").threads
+                                  else "engine", platform.serving_cores).threads
     model, tokenizer = load_model(args, models, tp=tp if tp.world_size > 1 else None)
-    if args.pack_weights and torch.device(device).type == "cpu":
-        pack_linear_weights(model)
-        use_small_batch_linear(model)
-    if args.huge_pages and torch.device(device).type == "cpu":  # after packing: the final bytes
-        use_huge_pages(model)
-    if args.keep_freed_memory and torch.device(device).type == "cpu":  # after the load's copies
-        keep_freed_memory()
+    platform.prepare_model(model, pack_weights=args.pack_weights, huge_pages=args.huge_pages)
+    platform.prepare_process(keep_freed_memory=args.keep_freed_memory)  # after the load's copies
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)

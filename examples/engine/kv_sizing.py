@@ -22,7 +22,7 @@ from torch import nn
 
 import kvgraph
 from kvgraph.attention.metadata import MAX_BLOCK_ID
-from kvgraph.devices import memory_bytes
+from kvgraph.runtime.platforms import get_platform
 
 from .block_allocator import blocks_for
 from .flag_types import float_in, int_in
@@ -96,7 +96,7 @@ def _every_sequence(args: argparse.Namespace, per_block: int, one_sequence: int,
     blocks = one_sequence * args.max_num_seqs
     why = (f"every sequence at full length: --max-num-seqs {args.max_num_seqs} x "
            f"{one_sequence} blocks of --max-model-len {max_model_len}")
-    capacity = memory_bytes(torch.device(args.device))
+    capacity = get_platform(args.device).total_memory(args.device)
     if blocks > MAX_BLOCK_ID or (capacity is not None and blocks * per_block > capacity):
         limit = (f"more than the {MAX_BLOCK_ID} block ids a cache may have" if
                  blocks > MAX_BLOCK_ID else f"{blocks * per_block / 2**30:.3g} GiB, more than "
@@ -113,25 +113,25 @@ def _profiled(args: argparse.Namespace, per_block: int, one_sequence: int,
     fraction = args.gpu_memory_utilization
     if not 0 < fraction <= 1:
         raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {fraction}")
-    device = torch.device(args.device)
-    module = getattr(torch, device.type, None)
-    if device.type == "cpu" or not hasattr(module, "max_memory_allocated"):
+    memory = get_platform(args.device).device_memory
+    if memory is None:
         raise ValueError(f"--gpu-memory-utilization needs a CUDA or NPU device, got "
                          f"--device {args.device}; give --kv-cache-memory BYTES instead")
+    device = torch.device(args.device)
     batch = profiling_batch(max_num_tokens, max_model_len, args.max_num_seqs, args.block_size)
     probe_blocks = max(one_sequence, sum(len(chunk.block_ids) for chunk in batch))
     probe = build_runner(probe_blocks)
     try:
-        module.synchronize(device)
-        module.reset_peak_memory_stats(device)
+        memory.synchronize(device)
+        memory.reset_peak_memory_stats(device)
         probe.execute(batch)
         probe.capture()
-        module.synchronize(device)
-        peak = module.max_memory_allocated(device) - probe_blocks * per_block
+        memory.synchronize(device)
+        peak = memory.max_memory_allocated(device) - probe_blocks * per_block
     finally:
         probe.close()
-    free, total = module.mem_get_info(device)
-    others = total - free - module.memory_reserved(device)  # what other processes hold
+    free, total = memory.mem_get_info(device)
+    others = total - free - memory.memory_reserved(device)  # what other processes hold
     budget = int(total * fraction) - peak - others
     return KVSizing(max(budget, 0) // per_block,
                     f"--gpu-memory-utilization {fraction}: {total / 2**30:.1f} GiB x {fraction} "

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+# The cores left to the process's other threads, unless its platform says otherwise.
+from kvgraph.runtime.platforms.base import SERVING_CORES
 
-# Cores left to the process's threads that are not torch's compute threads.
-SERVING_CORES = 1
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,19 @@ class ThreadChoice:
     why: str
 
 
-def choose_threads(cores: int, ranks: int = 1, requested: int | None = None) -> ThreadChoice:
+def choose_threads(cores: int, ranks: int = 1, requested: int | None = None,
+                   serving_cores: int = SERVING_CORES) -> ThreadChoice:
     """`requested` threads when given (each rank's own), else each of `ranks` ranks' share of
-    `cores` with SERVING_CORES left over, at least one."""
+    `cores` with `serving_cores` left over (the platform's), at least one."""
     if cores < 1 or ranks < 1:
         raise ValueError(f"cores and ranks must be >= 1, got cores={cores}, ranks={ranks}")
     if requested is not None:
         if requested < 1:
             raise ValueError(f"threads must be >= 1, got {requested}")
         return ThreadChoice(requested, cores, "as asked (--threads)")
-    threads = max(1, (cores - SERVING_CORES) // ranks)
+    threads = max(1, (cores - serving_cores) // ranks)
     shared = f", shared by the node's {ranks} ranks" if ranks > 1 else ""
-    return ThreadChoice(threads, cores, f"default: one per core less {SERVING_CORES} for the "
+    return ThreadChoice(threads, cores, f"default: one per core less {serving_cores} for the "
                         f"process's other threads{shared}, at least 1")
 
 
@@ -59,11 +60,12 @@ def usable_cores() -> int:
 
 
 def set_compute_threads(requested: int | None = None, ranks: int = 1,
-                        who: str = "this process") -> ThreadChoice:
+                        who: str = "this process", serving_cores: int = SERVING_CORES
+                        ) -> ThreadChoice:
     """Choose this process's compute threads (see `choose_threads`), give them to torch, log
     one line. Call it before compiling: inductor's CPU kernels keep the thread count they were
     built with."""
-    choice = choose_threads(usable_cores(), ranks, requested)
+    choice = choose_threads(usable_cores(), ranks, requested, serving_cores)
     torch.set_num_threads(choice.threads)
     logger.info("%s: %d compute thread%s (%d cores usable; %s)", who, choice.threads,
                 "" if choice.threads == 1 else "s", choice.cores, choice.why)

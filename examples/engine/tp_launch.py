@@ -8,8 +8,9 @@ Two launches, one group:
 - torchrun (RANK, WORLD_SIZE and MASTER_ADDR in the environment): every process runs the
   script; the rendezvous is torchrun's (`env://`). Rank 0 serves, the others follow it.
 
-Each rank then initialises torch.distributed (gloo on the CPU, nccl on CUDA, hccl on Ascend)
-with a timeout, records it as kvgraph's tensor-parallel group and takes its own device
+Each rank then initialises torch.distributed with its platform's backend (gloo on the CPU, nccl
+on CUDA, hccl on Ascend; the step broadcast is gloo everywhere) and a timeout, records it as
+kvgraph's tensor-parallel group and takes its platform's device for its rank
 (`cuda:<local rank>` for `--device cuda`); its build then takes its share of the node's cores
 as compute threads (threads.py, with `ranks_on_node`).
 """
@@ -20,7 +21,6 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from kvgraph import distributed as kvgraph_tp
@@ -28,8 +28,6 @@ from kvgraph.runtime.platforms import get_platform
 
 # What torchrun (torch.distributed.run) sets in every process it starts.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
-# The process group's backend for each device type; the step broadcast is gloo everywhere.
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 # The store key a spawned rank sets just before it initialises torch.distributed.
 JOINING_KEY = "kvgraph/joining/{rank}"
 
@@ -77,15 +75,15 @@ def tensor_parallel_size(requested: int | None) -> int:
 
 
 def rank_device(device: str, rendezvous: Rendezvous) -> str:
-    """The device this rank runs on: the CPU, or `<type>:<local rank>` for an accelerator."""
-    kind, _, index = device.partition(":")
-    if kind == "cpu":
-        return "cpu"
-    if index:
+    """The device this rank runs on, its platform's for its local rank (`<type>:<local rank>`
+    for an accelerator; the CPU, which the ranks share)."""
+    platform = get_platform(device)
+    shared = platform.rank_device(0) == platform.rank_device(1)  # the CPU: every rank's
+    if ":" in device and not shared:
         raise ValueError(f"--device {device} names one device, but {rendezvous.world_size} "
-                         f"tensor-parallel ranks need one each; give --device {kind} and rank "
-                         f"r runs on {kind}:<local rank r>")
-    return f"{kind}:{rendezvous.local_rank}"
+                         f"tensor-parallel ranks need one each; give --device {platform.name} "
+                         f"and rank r runs on {platform.name}:<local rank r>")
+    return platform.rank_device(rendezvous.local_rank)
 
 
 def join_group(rendezvous: Rendezvous, device: str, timeout_s: float,
@@ -96,19 +94,16 @@ def join_group(rendezvous: Rendezvous, device: str, timeout_s: float,
     `timeout_s` instead of waiting forever on a rank that is gone. A spawned rank says it is
     joining (JOINING_KEY) first, so rank 0 can tell a rank that died before it from a slow one.
     """
-    kind = device.split(":")[0]
-    if kind not in BACKENDS:
-        raise ValueError(f"tensor parallelism runs on {sorted(BACKENDS)}, got --device {device}")
-    if kind != "cpu":
-        get_platform(device)  # loads torch_npu for "npu", which registers hccl
-        getattr(torch, kind).set_device(rendezvous.local_rank)
+    platform = get_platform(device)  # loads torch_npu for "npu", which registers hccl
+    platform.set_device(rendezvous.local_rank)
     timeout = timedelta(seconds=timeout_s)
     if rendezvous.store_path is None:
-        dist.init_process_group(BACKENDS[kind], init_method="env://", timeout=timeout)
+        dist.init_process_group(platform.distributed_backend, init_method="env://",
+                                timeout=timeout)
     else:
         store = store or dist.FileStore(rendezvous.store_path, rendezvous.world_size)
         store.set(JOINING_KEY.format(rank=rendezvous.rank), "1")
-        dist.init_process_group(BACKENDS[kind], store=store, rank=rendezvous.rank,
+        dist.init_process_group(platform.distributed_backend, store=store, rank=rendezvous.rank,
                                 world_size=rendezvous.world_size, timeout=timeout)
     tp = kvgraph_tp.init_tensor_parallel(timeout_s=timeout_s)
     # Made now, while every rank is there: making a group waits on the store, which does not

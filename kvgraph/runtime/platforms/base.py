@@ -1,13 +1,22 @@
-"""What kvgraph asks of a device: graphs, a graph memory pool per runner, synchronisation."""
+"""What kvgraph asks of a device: graphs, a graph memory pool per runner, synchronisation, and
+the defaults a serving engine takes for it."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, ContextManager, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
+from torch import nn
 
 from kvgraph.errors import GraphError
+
+if TYPE_CHECKING:
+    from kvgraph.config import GraphMode
+
+# Cores a serving process leaves to its threads that are not torch's compute threads: the
+# server's event loop and the engine loop's own Python between steps. vLLM's CPU backend makes
+# the same choice (a core left for its server processes); not measured apart on accelerators.
+SERVING_CORES = 1
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:
@@ -64,53 +73,6 @@ def check_addresses(captured: list[int | None], args: Sequence[Any], name: str) 
         )
 
 
-class StreamGraph:
-    """A device graph of a torch graph API (CUDA, NPU): outputs are what capture produced.
-
-    `graph` is the API's graph object, `graph_context(graph, pool=...)` its capture context and
-    `pool_bytes(pool)` the bytes its allocator holds for a graph pool: what a capture adds to
-    the pool is what the graph costs. Capture records kernels without running them, so its
-    outputs hold no results until the first replay.
-
-    Memory is shared across sizes, as vLLM does it: the graph keeps only weak references to
-    its outputs, so once a step's forward has used them their memory returns to the pool and
-    the next (smaller) capture reuses it. A `last` graph's outputs (the forward's own) are
-    released inside the capture, since nothing captured after them reads them. Replays of one
-    pool never overlap, so sharing is safe; an output is valid until the next replay.
-    """
-
-    def __init__(self, graph: Any, graph_context: Callable, pool_bytes: Callable[[Any], int],
-                 check_inputs: bool, name: str, last: bool):
-        self.graph, self.graph_context, self.pool_bytes = graph, graph_context, pool_bytes
-        self.check_inputs, self.name, self.last = check_inputs, name, last
-        self.outputs: Any = None
-        self.addresses: list[int | None] = []
-        self.memory_bytes = 0
-
-    def capture(self, fn: Callable, args: Sequence[Any], pool: Any) -> Any:
-        self.addresses = input_addresses(args)
-        before = self.pool_bytes(pool)
-        with self.graph_context(self.graph, pool=pool):
-            outputs = fn(*args)
-            if self.last:
-                outputs = map_tensors(outputs, weak_tensor)
-        self.outputs = map_tensors(outputs, weak_tensor)
-        # A pool only grows while its graphs live; the clamp guards an allocator that reports
-        # less than it holds.
-        self.memory_bytes = max(0, self.pool_bytes(pool) - before)
-        return outputs
-
-    def replay(self, args: Sequence[Any]) -> Any:
-        if self.check_inputs:
-            check_addresses(self.addresses, args, self.name)
-        self.graph.replay()
-        return self.outputs
-
-    def reset(self) -> None:
-        self.outputs = None
-        self.graph.reset()
-
-
 class DeviceGraph(Protocol):
     """One captured graph: `capture` records `fn(*args)`, `replay` reruns it on the same buffers.
 
@@ -128,8 +90,26 @@ class DeviceGraph(Protocol):
     def reset(self) -> None: ...
 
 
+class DeviceMemory(Protocol):
+    """What a profiling step reads of a device's caching allocator (`torch.cuda`'s API)."""
+
+    def synchronize(self, device: Any) -> None: ...
+
+    def reset_peak_memory_stats(self, device: Any) -> None: ...
+
+    def max_memory_allocated(self, device: Any) -> int: ...
+
+    def memory_reserved(self, device: Any) -> int: ...
+
+    def mem_get_info(self, device: Any) -> tuple[int, int]: ...
+
+
 class Platform(Protocol):
-    """One kind of device, as the graph wrapper and the runner see it."""
+    """One kind of device, as the graph wrapper, the runner and a serving engine see it.
+
+    The serving defaults are what an engine takes when its flags do not say; each platform's
+    values carry the measurements (or the lack of them) behind them.
+    """
 
     name: str
     device_type: str
@@ -139,6 +119,17 @@ class Platform(Protocol):
     # Whether a graph freezes the host ints attention's shapes depend on (`max_seq_len`): a
     # device graph does; the CPU graph reruns Python on replay.
     freezes_shapes: bool
+    default_graph_mode: GraphMode | None  # None: kvgraph's own default (piecewise)
+    default_max_num_tokens: int  # the token budget of one step
+    # Whether the default capture sizes stop at a decode step's largest batch (the larger
+    # steps then run without graphs).
+    captures_decode_only: bool
+    # How long an idle server waits for the rest of a burst of requests before stepping.
+    default_burst_gap_ms: float
+    serving_cores: int  # cores left to a process's threads other than torch's compute threads
+    distributed_backend: str  # the torch.distributed backend of a tensor-parallel group
+    # The allocator a profiling step reads to size the KV cache; None where none tracks memory.
+    device_memory: DeviceMemory | None
 
     def make_graph(self, check_inputs: bool, name: str = "graph", last: bool = False
                    ) -> DeviceGraph:
@@ -152,61 +143,22 @@ class Platform(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def total_memory(self, device: torch.device | str) -> int | None:
+        """All the memory `device` has (the machine's RAM for the CPU); None when unknown."""
 
-def _keep_cache() -> None:
-    """`empty_cache` during a capture phase: the cache stays (see StreamPlatform)."""
+    def rank_device(self, local_rank: int) -> str:
+        """The device tensor-parallel rank `local_rank` of a node runs on: an accelerator of
+        its own, or the one CPU the ranks share."""
 
+    def set_device(self, local_rank: int) -> None:
+        """Make `rank_device(local_rank)` this process's current device."""
 
-class StreamPlatform:
-    """A platform over a torch device module with the CUDA graph API (`torch.cuda`, `torch.npu`).
+    def prepare_model(self, model: nn.Module, *, pack_weights: bool, huge_pages: bool
+                      ) -> None:
+        """Lay out a loaded model's weights for serving here, in place, before it compiles:
+        `pack_weights` into the device's faster linear layouts, `huge_pages` into memory
+        backed by huge pages (nothing where the device has no such layouts)."""
 
-    `module` provides `graph`, `graph_pool_handle`, `synchronize` and `memory_snapshot`;
-    `graph_class` is its graph type (`CUDAGraph`, `NPUGraph`); `stream_graph` the StreamGraph
-    (sub)class that captures and replays them.
-    """
-
-    needs_warmup = True  # first runs initialise kernels and handles that capture cannot
-    freezes_shapes = True
-
-    def __init__(self, name: str, module: Any, graph_class: Callable[[], Any],
-                 attention_backend: str = "torch_native", default_block_size: int = 16,
-                 stream_graph: type[StreamGraph] = StreamGraph):
-        self.name = self.device_type = name
-        self.module, self.graph_class = module, graph_class
-        self.attention_backend = attention_backend
-        self.default_block_size = default_block_size
-        self.stream_graph = stream_graph
-
-    def make_graph(self, check_inputs: bool, name: str = "graph", last: bool = False
-                   ) -> StreamGraph:
-        return self.stream_graph(self.graph_class(), self.module.graph, self.pool_bytes,
-                                 check_inputs, f"{self.name}-graph {name}", last)
-
-    @contextlib.contextmanager
-    def capture_phase(self) -> Iterator[None]:
-        """Captures without emptying the allocator's cache before each one.
-
-        The device module's `graph` context empties it on entry, to give the graph the most
-        memory; over hundreds of captures in a row that frees and re-allocates the warm-up
-        runs' memory every time, which is most of the capture time (vLLM skips it too).
-        """
-        empty_cache = self.module.empty_cache
-        self.module.empty_cache = _keep_cache
-        try:
-            yield
-        finally:
-            self.module.empty_cache = empty_cache
-
-    def new_graph_pool(self) -> Any:
-        # Per runner, never per process: a pool handle reused after the graphs captured in it
-        # were freed trips the caching allocator (`use_count > 0` assert, seen on an H200).
-        return self.module.graph_pool_handle()
-
-    def pool_bytes(self, pool: Any) -> int:
-        """Bytes of the segments the allocator reserved for `pool`."""
-        pool_id = tuple(pool)
-        return sum(segment["total_size"] for segment in self.module.memory_snapshot()
-                   if tuple(segment.get("segment_pool_id", ())) == pool_id)
-
-    def synchronize(self) -> None:
-        self.module.synchronize()
+    def prepare_process(self, *, keep_freed_memory: bool) -> None:
+        """After the model's load: process-wide settings for serving; `keep_freed_memory`
+        keeps memory a step frees for the next (nothing where the device allocator caches)."""

@@ -16,9 +16,16 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
-from kvgraph.runtime.platforms.base import (check_addresses, has_storage, input_addresses,
-                                            map_tensors, tensors_in)
+from kvgraph.config import GraphMode
+from kvgraph.cpu import malloc_policy
+from kvgraph.cpu.huge_pages import use_huge_pages
+from kvgraph.cpu.packed_linear import pack_linear_weights
+from kvgraph.cpu.small_batch_linear import use_small_batch_linear
+from kvgraph.devices import memory_bytes
+from kvgraph.runtime.platforms.base import (SERVING_CORES, check_addresses, has_storage,
+                                            input_addresses, map_tensors, tensors_in)
 
 
 def poison(tensors: Sequence[torch.Tensor]) -> None:
@@ -111,12 +118,38 @@ class CPUGraph:
 
 
 class CPUPlatform:
+    """The CPU as kvgraph and a serving engine see it; its serving defaults were measured on
+    the small example Llama (README names each measurement)."""
+
     name = "cpu"
     device_type = "cpu"
     attention_backend = "cpu_paged"  # C++, reads the cache in place (torch_native: the reference)
     default_block_size = 16
     needs_warmup = False
     freezes_shapes = False  # a replay reruns Python: attention reads only a batch's real keys
+    # A CPU graph saves no launches, and one graph of the whole forward skips the pieces' own
+    # Python between attention ops: decode steps 7-14% faster than piecewise on one thread,
+    # 7-10% at batch 1 on two (batch 16 within noise; small Llama, Zen 4,
+    # benchmarks/engine_graph_modes.py; README, "Graph modes against eager on the CPU"), for a
+    # cold compile ~1.35x piecewise's (warm: equal).
+    default_graph_mode = GraphMode.FULL
+    # Prefill throughput (small Llama, piecewise; benchmarks/token_budget.py) rises to 1024
+    # tokens per step, 2-7% over 512's, and no further at 2048, while the longest step a
+    # decoding request waits through grows with the budget (1.4x 512's at 1024). Steps above
+    # the capture sizes run without graphs (see captures_decode_only).
+    default_max_num_tokens = 1024
+    # A CPU graph saves no launches (its replay reruns the compiled forward and copies the
+    # outputs), so larger steps lose nothing running that forward without graphs (and without
+    # padding to a size), while capturing them made start-up several times longer (README,
+    # "Capture sizes on the CPU"). Decode sizes stay captured, so serving keeps the graph
+    # contract's path that devices run.
+    captures_decode_only = True
+    # Prefill steps take tens of milliseconds, and a burst reached the engine within 1-7 ms on
+    # the 2-core VM.
+    default_burst_gap_ms = 3.0
+    serving_cores = SERVING_CORES
+    distributed_backend = "gloo"
+    device_memory = None  # torch's CPU tensors come from malloc: no allocator keeps statistics
 
     def make_graph(self, check_inputs: bool, name: str = "cpu-graph", last: bool = False
                    ) -> CPUGraph:
@@ -130,3 +163,29 @@ class CPUPlatform:
 
     def synchronize(self) -> None:
         return None
+
+    def total_memory(self, device: torch.device | str) -> int | None:
+        return memory_bytes(torch.device(device))
+
+    def rank_device(self, local_rank: int) -> str:
+        return "cpu"  # the ranks share the machine's cores (each takes its share as threads)
+
+    def set_device(self, local_rank: int) -> None:
+        return None
+
+    def prepare_model(self, model: nn.Module, *, pack_weights: bool, huge_pages: bool
+                      ) -> None:
+        """`pack_weights`: linear weights packed into kvgraph's CPU layouts, the rest served
+        by the small-batch kernel (kvgraph.cpu.packed_linear); `huge_pages`: then every weight
+        moved into memory backed by transparent huge pages (kvgraph.cpu.huge_pages)."""
+        if pack_weights:
+            pack_linear_weights(model)
+            use_small_batch_linear(model)
+        if huge_pages:  # after packing: the final bytes
+            use_huge_pages(model)
+
+    def prepare_process(self, *, keep_freed_memory: bool) -> None:
+        """`keep_freed_memory`: glibc's malloc keeps what steps free, so their tensors reuse
+        pages already faulted in (kvgraph.cpu.malloc_policy); call it after the load's copies."""
+        if keep_freed_memory:
+            malloc_policy.keep_freed_memory()

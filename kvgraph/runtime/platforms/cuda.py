@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from kvgraph.runtime.platforms.base import StreamPlatform
+from kvgraph.runtime.platforms.stream import StreamPlatform
 
 logger = logging.getLogger(__name__)
 
@@ -26,4 +26,5 @@ def default_attention_backend() -> str:
 
 
 def cuda_platform() -> StreamPlatform:
-    return StreamPlatform("cuda", torch.cuda, torch.cuda.CUDAGraph, default_attention_backend())
+    return StreamPlatform("cuda", torch.cuda, torch.cuda.CUDAGraph, distributed_backend="nccl",
+                          attention_backend=default_attention_backend())

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvgraph.errors import GraphError, PlatformError
-from kvgraph.runtime.platforms.base import StreamGraph, StreamPlatform
+from kvgraph.runtime.platforms.stream import StreamGraph, StreamPlatform
 
 # How CANN reports a capture that ran out of streams (vllm-ascend matches the same).
 STREAM_EXHAUSTED_CODE = "207008"
@@ -63,5 +63,7 @@ class ACLGraph(StreamGraph):
 
 def npu_platform() -> StreamPlatform:
     npu = import_torch_npu()
-    return StreamPlatform("npu", npu, npu.NPUGraph, attention_backend="ascend",
+    # hccl: Ascend's collectives, which importing torch_npu registers with torch.distributed.
+    return StreamPlatform("npu", npu, npu.NPUGraph, distributed_backend="hccl",
+                          attention_backend="ascend",
                           default_block_size=NPU_BLOCK_SIZE, stream_graph=ACLGraph)

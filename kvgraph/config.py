@@ -1,4 +1,4 @@
-"""How kvgraph compiles and runs a model: graph modes and one frozen, validated config.
+"""How kvgraph compiles and runs a model: one frozen, validated config (and its GraphMode).
 
 The same settings come from `torch.compile(options=...)`, `KVGRAPH_*` environment variables
 and the flags of kvgraph/config_flags.py; their strings are parsed in kvgraph/config_sources.py,
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import logging
 import os
 from dataclasses import dataclass
@@ -26,69 +25,16 @@ from kvgraph.config_checks import (  # noqa: F401
     TORCH_COMPILE_MODES,
     VERIFY_ACTIONS,
 )
+from kvgraph.config_flags import flag_settings
 from kvgraph.config_sources import build, env_settings
 from kvgraph.errors import ConfigError
+from kvgraph.graph_mode import GraphMode
 from passes.op_match import op_exists
 
 DEFAULT_MAX_NUM_TOKENS = 512  # the batch bound where max_num_tokens is unset and no runner sets it
 MAX_DEFAULT_CAPTURE_SIZE = 512  # the largest default capture size (see capture_size_list)
 
 logger = logging.getLogger(__name__)
-
-
-class GraphMode(enum.Enum):
-    """Which parts of a forward run as captured graphs (see DESIGN.md, contract 4)."""
-
-    EAGER = "eager"
-    NONE = "none"
-    PIECEWISE = "piecewise"
-    FULL = "full"
-    FULL_DECODE_ONLY = "full_decode_only"
-    FULL_AND_PIECEWISE = "full_and_piecewise"
-
-    @property
-    def has_full_graphs(self) -> bool:
-        """Whether some steps run as one graph of the whole forward, attention included."""
-        return self in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL_AND_PIECEWISE)
-
-    @property
-    def has_piecewise_graphs(self) -> bool:
-        """Whether some steps run as graphs of the pieces between attention ops."""
-        return self in (GraphMode.PIECEWISE, GraphMode.FULL_AND_PIECEWISE)
-
-    @property
-    def has_graphs(self) -> bool:
-        """Whether some steps run as captured graphs (full or piecewise): not eager, not none."""
-        return self.has_full_graphs or self.has_piecewise_graphs
-
-    @property
-    def compiles(self) -> bool:
-        """Whether the forward is compiled at all: every mode but eager."""
-        return self is not GraphMode.EAGER
-
-    @property
-    def only_full_graphs(self) -> bool:
-        """Whether the whole forward is built as one piece, attention included (never split)."""
-        return self in (GraphMode.FULL, GraphMode.FULL_DECODE_ONLY)
-
-    @property
-    def is_runtime_mode(self) -> bool:
-        """Whether one step can run as this mode: none, piecewise or full (not eager, not a mix)."""
-        return self in (GraphMode.NONE, GraphMode.PIECEWISE, GraphMode.FULL)
-
-    @classmethod
-    def parse(cls, value: GraphMode | str) -> GraphMode:
-        if isinstance(value, cls):
-            return value
-        valid = [m.value for m in cls]
-        if not isinstance(value, str):
-            raise ConfigError("graph_mode", f"graph_mode: expected a GraphMode or one of {valid}, "
-                              f"got {value!r} ({type(value).__name__})")
-        try:
-            return cls(value.lower())
-        except ValueError:
-            raise ConfigError("graph_mode",
-                              f"unknown graph_mode {value!r}; valid: {valid}") from None
 
 
 def default_cache_dir() -> str:
@@ -218,9 +164,6 @@ class CompilationConfig:
     def from_cli_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None
                       ) -> CompilationConfig:
         """A config from `add_cli_args` flags; flags not given fall back to the environment."""
-        from kvgraph.config_flags import (
-            flag_settings,  # config_flags is built on this module
-        )
         given = env_settings(_FIELD_NAMES, os.environ if environ is None else environ)
         return build(cls, {**given, **flag_settings(args)})
 

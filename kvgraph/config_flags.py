@@ -11,9 +11,16 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from kvgraph.config_checks import non_negative_int, positive_float, token_count
-from kvgraph.config import ON_COMPILE_ERROR, PIECE_COMPILERS, VERIFY_ACTIONS, GraphMode
+from kvgraph.config_checks import (
+    ON_COMPILE_ERROR,
+    PIECE_COMPILERS,
+    VERIFY_ACTIONS,
+    non_negative_int,
+    positive_float,
+    token_count,
+)
 from kvgraph.errors import ConfigError
+from kvgraph.graph_mode import GraphMode
 
 # Flag dest -> the config field it sets; every flag defaults to None so the environment can
 # fill in.

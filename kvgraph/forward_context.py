@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 from kvgraph.errors import ForwardContextError
 
@@ -14,12 +14,22 @@ if TYPE_CHECKING:
 
     from kvgraph.attention.metadata import AttentionMetadata
     from kvgraph.config import GraphMode
-    from kvgraph.runtime.graphs import GraphSet
 
 # What an attention op tells a probe after it ran: its op name, the layer's cache (which names
 # the layer), its inputs and its output. See ForwardContext.probe.
 AttentionProbe = Callable[[str, "list[torch.Tensor]", "tuple[torch.Tensor, ...]", "torch.Tensor"],
                           None]
+
+
+class StepGraphs(Protocol):
+    """The graphs a step runs on, as a graph wrapper reaches them through the forward context.
+
+    The runtime's GraphSet is the one implementation; typing the context's `graphs` with this
+    keeps the context, which every layer reads, from naming the runtime that sits on top.
+    """
+
+    def run(self, wrapper: Any, args: tuple) -> Any:
+        """`wrapper`'s graph for the step under way (a kvgraph.compilation GraphWrapper)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +71,7 @@ class ForwardContext:
     batch_descriptor: BatchDescriptor | None = None
     attn_backend: str | None = None
     runtime_mode: GraphMode | None = None
-    graphs: GraphSet | None = None
+    graphs: StepGraphs | None = None
     probe: AttentionProbe | None = None
 
 
@@ -76,7 +86,7 @@ def set_forward_context(
     batch_descriptor: BatchDescriptor | None = None,
     attn_backend: str | None = None,
     runtime_mode: GraphMode | None = None,
-    graphs: GraphSet | None = None,
+    graphs: StepGraphs | None = None,
     probe: AttentionProbe | None = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention op called inside the block.

@@ -13,7 +13,8 @@ import torch
 from torch._dynamo.exc import BackendCompilerFailed
 
 import kvgraph
-from kvgraph.compilation.cache import CompileCache, digest
+from kvgraph.compilation.cache import CompileCache
+from kvgraph.compilation.cache_key import digest
 from kvgraph.errors import ConfigError
 
 KEY = digest("trust-test-key")

@@ -16,12 +16,8 @@ from torch import fx
 
 import kvgraph
 import passes
-from kvgraph.compilation.cache import (
-    CompileCache,
-    digest,
-    graph_fingerprint,
-    source_files_digest,
-)
+from kvgraph.compilation.cache import CompileCache
+from kvgraph.compilation.cache_key import digest, graph_fingerprint, source_files_digest
 from kvgraph.compilation.counters import compile_counters
 from tests.scenario import dynamo_capture
 

@@ -26,8 +26,8 @@ from kvgraph.compilation.cache import (
     SCRATCH_MAX_AGE_S,
     WRITE_PREFIX,
     CompileCache,
-    digest,
 )
+from kvgraph.compilation.cache_key import digest
 from kvgraph.compilation.counters import compile_counters
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvgraph.compilation.cache import CompileCache, digest
+from kvgraph.compilation.cache import CompileCache
+from kvgraph.compilation.cache_key import digest
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = digest("inductor-cache-test-key")

@@ -139,7 +139,7 @@ def test_the_compile_cache_is_skipped_and_said_once(fakes, caplog, tmp_path):
 
 
 def test_the_dump_says_why_nothing_was_cached():
-    from kvgraph.compilation.backend import _why_no_cache
+    from kvgraph.compilation.cache_key import why_no_cache as _why_no_cache
 
     config = kvgraph.CompilationConfig(piece_compiler="torchair")
     assert _why_no_cache(config) == "piece_compiler 'torchair' keeps no artifacts kvgraph can cache"

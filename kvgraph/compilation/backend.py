@@ -17,23 +17,16 @@ import torch
 from torch import fx
 
 from kvgraph.attention.op_names import ATTENTION_OPS
-from kvgraph.compilation.cache import (
-    CompileCache,
-    digest,
-    graph_fingerprint,
-    source_file_digests,
-    source_files_digest,
-)
+from kvgraph.compilation.build_record import BuildRecord
+from kvgraph.compilation.cache import CompileCache
+from kvgraph.compilation.cache_key import cache_key, graph_fingerprint, why_no_cache
 from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.debug import DumpSession
 from kvgraph.compilation.graph_wrapper import GraphWrapper
 from kvgraph.compilation.graph_report import node_signatures, node_table, pass_summary, split_report
-from kvgraph.compilation.npu_piece_compilers import NPU_PIECE_COMPILERS, why_not_cached
-from kvgraph.compilation.piece_compiler import BuildRecord, PieceCompiler, make_piece_compiler
+from kvgraph.compilation.piece_compiler import PieceCompiler, make_piece_compiler
 from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
 from kvgraph.config import CompilationConfig, GraphMode, without_pieces
-from kvgraph.distributed import tensor_parallel_group
-from kvgraph.version import __version__
 from passes import (
     REGISTERED_PASSES,
     InplaceAttentionPass,
@@ -43,10 +36,6 @@ from passes import (
 from passes.op_match import is_op_call
 
 logger = logging.getLogger(__name__)
-# Config fields that change no compiled artifact: the compile cache key leaves them out.
-NOT_IN_CACHE_KEY = ("capture_sizes", "cache_dir", "debug_dump_path", "check_guards",
-                    "check_graph_inputs", "check_rank_agreement", "on_compile_error", "verify",
-                    "verify_every", "verify_action", "verify_tolerance")
 
 
 @dataclass(frozen=True)
@@ -71,28 +60,6 @@ def _example_values(gm: fx.GraphModule) -> list[Any]:
 
 def _device_of(values: list[Any]) -> torch.device:
     return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
-
-
-def inductor_cpu_threads() -> int | str:
-    """The thread count inductor's C++ kernels are generated for ("dynamic": read at run time).
-
-    Inductor decides at build time which loops run in parallel, for this many threads, and
-    builds for one thread without OpenMP at all: a piece built in a one-thread process runs
-    on one core in any other, so the compile cache keys CPU builds by it.
-    """
-    from torch._inductor import config as inductor_config  # loaded by compiling anyway
-
-    cpp = inductor_config.cpp
-    if cpp.dynamic_threads:
-        return "dynamic"
-    return cpp.threads if cpp.threads >= 1 else torch.get_num_threads()
-
-
-def _traced_source_files() -> list[str]:
-    context = torch._guards.TracingContext.try_get()
-    if context is None:
-        return []
-    return [code.co_filename for code in context.get_traced_code() or []]
 
 
 class KVGraphBackend:
@@ -279,22 +246,10 @@ class KVGraphBackend:
         """The compile cache for this graph's key, with the key and its factors dumped."""
         config = self.config
         if not config.uses_compile_cache:
-            dump.json("cache", "cache-key", {"used": False, "why": _why_no_cache(config)})
+            dump.json("cache", "cache-key", {"used": False, "why": why_no_cache(config)})
             return None
-        settings = {name: value for name, value in dataclasses.asdict(config).items()
-                    if name not in NOT_IN_CACHE_KEY}
-        sources = _traced_source_files()
-        tp = tensor_parallel_group()
-        # Ranks build the same artifacts (shard shapes are in each piece's fingerprint, the
-        # group is a name in the graph), so ranks share them; TP sizes never do.
-        device = _device_of(_example_values(gm)).type
-        factors = {"torch": torch.__version__, "kvgraph": __version__, "device": device,
-                   "passes": self.pass_manager.uuid(), "settings": settings,
-                   "tensor_parallel": {"world_size": tp.world_size, "backend": tp.backend}}
-        if device == "cpu":
-            factors["cpu_threads"] = inductor_cpu_threads()
-        key = digest(*factors.values(), source_files_digest(sources))
-        factors["source_files"] = source_file_digests(sources)
+        key, factors = cache_key(config, _device_of(_example_values(gm)).type,
+                                 self.pass_manager.uuid())
         cache = CompileCache.open(config.cache_dir, key, self.counters)
         if cache is not None:
             cache.record_factors(factors)
@@ -304,14 +259,6 @@ class KVGraphBackend:
                                       "warning before this)",
             "key_change": cache and cache.key_change, "factors": factors})
         return cache
-
-
-def _why_no_cache(config: CompilationConfig) -> str:
-    if not config.use_compile_cache:
-        return "use_compile_cache is off"
-    if config.piece_compiler in NPU_PIECE_COMPILERS:
-        return why_not_cached(config.piece_compiler)
-    return f"piece_compiler {config.piece_compiler!r} builds nothing to keep"
 
 
 _shared_dumps: dict[str | None, DumpSession] = {}

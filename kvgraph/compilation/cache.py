@@ -1,4 +1,5 @@
-"""The compile cache: built artifacts on disk, keyed by everything that changes them.
+"""The compile cache's storage: built artifacts on disk, under a key of everything that changes
+them (the key is made in kvgraph/compilation/cache_key.py).
 
 Each artifact is one file, `MAGIC + sha256(payload) + payload`, written in a scratch dir
 (`kvgraph-write-*`), synced and renamed into place, so a reader (or a start after a crash) sees
@@ -26,11 +27,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
-
-import sympy
-import torch
-from torch import fx
+from typing import Any, Callable
 
 from kvgraph.cache_dir import (
     CACHE_DIR_SETTINGS,
@@ -54,79 +51,6 @@ LOAD_PREFIX = "kvgraph-load-"
 # No live save, load or inductor probe takes this long: older scratch was left by a killed process.
 SCRATCH_MAX_AGE_S = 3600
 FACTORS = "factors.json"  # what a key was made of, beside its artifacts
-
-
-def digest(*parts: object) -> str:
-    """A stable sha256 hex digest of the `repr` of each part."""
-    hasher = hashlib.sha256()
-    for part in parts:
-        hasher.update(repr(part).encode())
-        hasher.update(b"\0")
-    return hasher.hexdigest()
-
-
-def source_files_digest(paths: Iterable[str]) -> str:
-    """The digest of the contents of the given source files (missing files count as absent)."""
-    hasher = hashlib.sha256()
-    for path in sorted(set(paths)):
-        try:
-            content = Path(path).read_bytes()
-        except OSError:
-            content = None
-        hasher.update(repr((path, None if content is None else hashlib.sha256(content).digest()))
-                      .encode())
-    return hasher.hexdigest()
-
-
-def source_file_digests(paths: Iterable[str]) -> dict[str, str | None]:
-    """Each source file's sha256 (None if missing): the readable form of `source_files_digest`."""
-    digests: dict[str, str | None] = {}
-    for path in sorted(set(paths)):
-        try:
-            digests[path] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        except OSError:
-            digests[path] = None
-    return digests
-
-
-def _describe(value: Any, symbols: dict) -> str:
-    """A placeholder's type and shape, with symbols named by first appearance."""
-    def name(expr: Any) -> str:
-        if isinstance(expr, torch.SymInt):
-            expr = expr.node.expr
-        if isinstance(expr, sympy.Expr):
-            return str(expr.xreplace({s: symbols.setdefault(s, sympy.Symbol(f"n{len(symbols)}"))
-                                      for s in expr.free_symbols}))
-        return str(expr)
-
-    if isinstance(value, torch.Tensor):
-        return (f"T({[name(d) for d in value.shape]},{[name(s) for s in value.stride()]},"
-                f"{value.dtype},{value.device.type})")
-    return f"{type(value).__name__}({name(value)})"
-
-
-def graph_fingerprint(gm: fx.GraphModule) -> str:
-    """A digest of a graph's structure and input types, blind to node and symbol names.
-
-    Two decoder layers give the same fingerprint, so identical pieces compile once.
-    """
-    index = {node: i for i, node in enumerate(gm.graph.nodes)}
-    symbols: dict = {}
-
-    def arg(a: Any) -> Any:
-        return fx.node.map_arg(a, lambda n: f"%{index[n]}")
-
-    lines = []
-    for node in gm.graph.nodes:
-        target = node.target
-        if callable(target):
-            # The qualified name, not __qualname__: boolean-dispatched functions share one of those.
-            target = fx.node._get_qualified_name(target)
-        if node.op == "placeholder":
-            lines.append(f"in {_describe(node.meta.get('example_value', node.meta.get('val')), symbols)}")
-        else:
-            lines.append(f"{node.op} {target} {arg(node.args)} {arg(node.kwargs)}")
-    return digest(*lines)
 
 
 class CompileCache:

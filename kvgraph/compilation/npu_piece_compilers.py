@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from kvgraph.compilation.counters import CompileCounters
-from kvgraph.compilation.piece_compiler import BuildObserver, BuildRecord
+from kvgraph.compilation.build_record import BuildObserver, BuildRecord
 from kvgraph.errors import PlatformError
 
 logger = logging.getLogger(__name__)

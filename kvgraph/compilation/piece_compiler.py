@@ -5,42 +5,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 from torch import fx
 
+from kvgraph.compilation.build_record import BuildObserver, BuildRecord, ignore_build
 from kvgraph.compilation.cache import CompileCache
 from kvgraph.compilation.counters import CompileCounters
+from kvgraph.compilation.npu_piece_compilers import NpuPieceCompiler
 from kvgraph.compilation.piecewise import token_symbols
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class BuildRecord:
-    """One build of one piece, as the debug dump reports it.
-
-    `outcome`: "built" (the piece compiler compiled it), "loaded" (a compile-cache hit),
-    "fallback" (the build failed: the FX code runs) or "uncompiled" (the eager piece compiler).
-    `code` is inductor's output code for its builds (a cache hit, or an NPU compiler's build,
-    keeps none), else the FX code that runs;
-    `why` says why a build missed the cache, or why it fell back.
-    """
-
-    name: str
-    outcome: str
-    seconds: float
-    code: str | None = None
-    why: str | None = None
-
-
-BuildObserver = Callable[[BuildRecord], None]
-
-
-def _ignore(record: BuildRecord) -> None:
-    pass
 
 
 def output_code(artifact: Any) -> str | None:
@@ -62,7 +38,7 @@ class EagerPieceCompiler:
 
     name = "eager"
 
-    def __init__(self, on_build: BuildObserver = _ignore):
+    def __init__(self, on_build: BuildObserver = ignore_build):
         self.on_build = on_build
 
     def compile(self, gm, example_inputs, build_name):
@@ -83,7 +59,7 @@ class InductorPieceCompiler:
 
     def __init__(self, cache: CompileCache | None, counters: CompileCounters,
                  config_patches: dict[str, Any] | None = None, on_error: str = "eager",
-                 on_build: BuildObserver = _ignore):
+                 on_build: BuildObserver = ignore_build):
         self.cache = cache
         self.counters = counters
         self.config_patches = config_patches or {}
@@ -155,13 +131,10 @@ class InductorPieceCompiler:
 
 def make_piece_compiler(name: str, cache: CompileCache | None, counters: CompileCounters,
                         config_patches: dict[str, Any] | None = None, on_error: str = "eager",
-                        on_build: BuildObserver = _ignore) -> PieceCompiler:
+                        on_build: BuildObserver = ignore_build) -> PieceCompiler:
     """The piece compiler the config's `piece_compiler` names (an NPU one imports torch_npu)."""
     if name == "eager":
         return EagerPieceCompiler(on_build)
     if name == "inductor":
         return InductorPieceCompiler(cache, counters, config_patches, on_error, on_build)
-    # Imported here: that module builds on this one.
-    from kvgraph.compilation.npu_piece_compilers import NpuPieceCompiler
-
     return NpuPieceCompiler(name, counters, config_patches, on_error, on_build)

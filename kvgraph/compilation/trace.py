@@ -12,6 +12,7 @@ from torch import nn
 from kvgraph.compilation.backend import KVGraphBackend
 from kvgraph.compilation.debug import DumpSession
 from kvgraph.config import CompilationConfig
+from kvgraph.errors import CompileError
 
 
 def mark_token_dims(*tensors: torch.Tensor) -> None:
@@ -134,3 +135,15 @@ def compile_model(model: nn.Module, config: CompilationConfig | None = None,
                   dump: DumpSession | None = None) -> CompiledModel:
     """Compile `model` with kvgraph (see `CompiledModel`); `dump` is the runner's debug dump."""
     return CompiledModel(model, config, dump)
+
+
+def compile_failure(error: BaseException) -> CompileError:
+    """The CompileError for a first call that failed with `error`: it names the innermost error
+    Dynamo wrapped (a backend's own), as `Type: message`."""
+    while True:
+        inner = getattr(error, "inner_exception", None) or error.__cause__
+        if inner is None or inner is error:
+            break
+        error = inner
+    first_line = str(error).strip().splitlines()[0] if str(error) else ""
+    return CompileError(f"compiling the model failed: {type(error).__name__}: {first_line}")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from kvgraph.inspect.dump_reader import DumpError, read_session, session_dirs
 from kvgraph.inspect.html_report import html_report
-from kvgraph.inspect.summary import Summary, summarise
+from kvgraph.inspect.summarise import summarise
+from kvgraph.inspect.summary import Summary
 from kvgraph.inspect.text_report import text_report
 
 __all__ = ["DumpError", "Summary", "load_dump", "text_report", "html_report", "summary_json"]

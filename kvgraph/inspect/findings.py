@@ -4,23 +4,10 @@ fallbacks, verify failures), which kvgraph logs once, at info level, or not at a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import kvgraph.inspect.units as units
-
-if TYPE_CHECKING:
-    from kvgraph.inspect.summary import Summary
-
-
-@dataclass
-class Finding:
-    """One warning: `source` says who logged it or which report it was read from; `compile`
-    the compile it came in, if any."""
-
-    source: str
-    message: str
-    compile: int | None = None
+from kvgraph.inspect.summary import Finding, Summary
 
 
 def find_warnings(summary: Summary, events: list[dict[str, Any]]) -> list[Finding]:

@@ -3,22 +3,8 @@ the backend, graph capture, ranked by seconds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import kvgraph.inspect.units as units
-
-if TYPE_CHECKING:
-    from kvgraph.inspect.summary import Summary
-
-
-@dataclass
-class TimeShare:
-    """Seconds one kind of work took in a session, with a word on what was in it."""
-
-    what: str
-    seconds: float
-    detail: str = ""
+from kvgraph.inspect.summary import Summary, TimeShare
 
 
 def time_spent(summary: Summary) -> list[TimeShare]:

@@ -7,7 +7,7 @@ import bisect
 import collections
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from kvgraph.attention.backends.base import GraphSupport
 from kvgraph.attention.batch import HostBatch
@@ -125,6 +125,20 @@ class Dispatcher:
                             "%d and runs without graphs (counted in stats, logged once)",
                             num_tokens, self.capture_sizes[-1])
         return GraphMode.NONE, BatchDescriptor(num_tokens)
+
+    def report(self) -> dict[str, Any]:
+        """`stats` as the runner's stats() shows them: hits keyed `how the step ran:descriptor`."""
+        return {"hits": {f"{self._step_label(mode)}:{d}": n
+                         for (mode, d), n in self.stats.hits.items()},
+                "padded_tokens": self.stats.padded_tokens, "fallbacks": self.stats.fallbacks,
+                "uncaptured": self.stats.uncaptured}
+
+    def _step_label(self, mode: str) -> str:
+        """How a step ran: its graph's mode, else "eager" (the model as written) or "none"
+        (compiled, without a graph)."""
+        if mode == GraphMode.NONE.value and self.graph_mode is GraphMode.EAGER:
+            return "eager"
+        return mode
 
     def descriptors_to_capture(self) -> list[tuple[GraphMode, BatchDescriptor]]:
         """Every key the mode asks for, largest first (later, smaller graphs reuse its pool)."""

@@ -15,7 +15,6 @@ frees them, with its caches and compiled code.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -24,37 +23,33 @@ from torch import nn
 
 from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.batch import HostBatch, check_distinct_blocks, host_batch
-from kvgraph.attention.layer_base import attention_layers, kv_cache_specs
+from kvgraph.attention.layer_base import attention_layers
 from kvgraph.attention.metadata import RequestChunk
 from kvgraph.compilation.counters import CompileCounters
 from kvgraph.compilation.debug import DumpSession
-from kvgraph.compilation.trace import CompiledModel, compile_model
+from kvgraph.compilation.trace import CompiledModel, compile_failure, compile_model
 from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.devices import canonical_device
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
-from kvgraph.errors import CompileError, RunnerError
+from kvgraph.errors import RunnerError
 from kvgraph.forward_context import AttentionProbe, BatchDescriptor, set_forward_context
-from kvgraph.kv_cache.binding import bind_kv_cache
-from kvgraph.kv_cache.spec import allocate_kv_caches
 from kvgraph.runtime import model_claim
+from kvgraph.runtime.capture import capture_graphs
 from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
 from kvgraph.runtime.graphs import GraphSet, graph_key
-from kvgraph.runtime.input_buffers import InputBuffers, buffer_bytes
+from kvgraph.runtime.input_buffers import InputBuffers
 from kvgraph.runtime.platforms import get_platform
-from kvgraph.runtime.progress import Progress
 from kvgraph.runtime.rank_agreement import RankAgreement
 from kvgraph.runtime.runner_args import (
     check_device,
     check_dtype,
-    check_fits,
     check_sizes,
     model_vocab_size,
     with_max_num_tokens,
 )
+from kvgraph.runtime.runner_caches import bind_new_caches
 from kvgraph.runtime.step import Step, StepLimits, plan_step
 from kvgraph.runtime.verify import Verifier, disabled_stats
-
-logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -62,13 +57,12 @@ class ModelRunner:
 
     It allocates and binds the model's KV caches (`num_blocks` blocks of `block_size` tokens,
     default the device's: see `default_block_size`; in `dtype`, default the model's), keeps
-    persistent inputs for up to `max_num_tokens` tokens
-    (default: the config's) and `max_num_seqs` requests, compiles the model unless the mode is
-    `eager`, and captures graphs keyed by `BatchDescriptor`. `max_model_len` (default: every
-    block) bounds one sequence; a full decode device graph of the portable attention backend
-    reads that many key rows per request, so set it to the longest sequence served. Token ids
-    are checked against `vocab_size` (default: the model's `config.vocab_size`, or its first
-    embedding's size).
+    persistent inputs for up to `max_num_tokens` tokens (default: the config's) and
+    `max_num_seqs` requests, compiles the model unless the mode is `eager`, and captures
+    graphs keyed by `BatchDescriptor`. `max_model_len` (default: every block) bounds one
+    sequence; a full decode device graph of the portable attention backend reads that many key
+    rows per request, so set it to the longest sequence served. Token ids are checked against
+    `vocab_size` (default: the model's `config.vocab_size`, or its first embedding's size).
 
     One model, one runner: building a runner on a model another live runner holds is a
     RunnerError; `close()` that runner first (or build a new model).
@@ -113,7 +107,8 @@ class ModelRunner:
             "graph_mode": self.config.graph_mode.value, "attn_backend": self.attn_backend,
             "device": str(self.device), "limits": vars(self.limits)})
         self.model = model
-        self.kv_caches = self._bind_caches(model, dtype or next(model.parameters()).dtype)
+        self.kv_caches, self._claim = bind_new_caches(
+            model, self.limits, self.device, dtype or next(model.parameters()).dtype, self)
         self._buffers = InputBuffers(self.limits, self.device)
         self._graphs = GraphSet(self._platform, self._backend, self.config.check_graph_inputs)
         # A device graph freezes the host ints attention's shapes depend on; a CPU graph does not.
@@ -143,20 +138,6 @@ class ModelRunner:
         NPU (what Ascend's fused attention kernels run)."""
         return get_platform(device).default_block_size
 
-    def _bind_caches(self, model: nn.Module, dtype: torch.dtype) -> dict:
-        layers = attention_layers(model)
-        specs = kv_cache_specs(model, self.limits.block_size, dtype)
-        check_fits(self.device, sum(s.bytes_per_block for s in specs.values())
-                   * self.limits.num_blocks, buffer_bytes(self.limits, self.device))
-        caches = allocate_kv_caches(specs, self.limits.num_blocks, self.device)
-        self._claim = model_claim.claim(layers, self)  # before binding: never clobber another's
-        try:
-            bind_kv_cache(layers, caches, device=self.device, dtype=dtype)
-        except BaseException:
-            model_claim.release(layers.values(), self._claim)
-            raise
-        return caches
-
     # --- the phases: compile, capture, execute ----------------------------------------------
 
     def compile(self) -> dict[str, Any]:
@@ -181,8 +162,7 @@ class ModelRunner:
             try:
                 self._run(step)  # the first call traces; the backend builds every piece, size
             except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
-                raise CompileError(f"compiling the model failed: {_root_cause(error)}"
-                                   ) from error
+                raise compile_failure(error) from error
         self._compiled = True
         self._follow_compiled_mode()
         total = time.perf_counter() - start
@@ -209,39 +189,14 @@ class ModelRunner:
         """Compile if not yet done, then capture every graph the mode asks for, largest first.
 
         Returns a summary: the descriptors and graphs (one per piece of each descriptor) this
-        call captured and its seconds; `bytes` and
-        `bytes_by_descriptor` are what all of this runner's graphs added to its pool. A
-        descriptor whose capture fails is listed in `failed` and logged; its batches run on the
-        same size's piecewise graphs if there are any, else without graphs.
+        call captured and its seconds; `bytes` and `bytes_by_descriptor` are what all of this
+        runner's graphs added to its pool. A descriptor whose capture fails is listed in
+        `failed` and logged; its batches run on the same size's piecewise graphs if there are
+        any, else without graphs.
         """
         self._ensure_compiled()
-        keys = [key for key in self._dispatcher.descriptors_to_capture()
-                if not self._graphs.has(*key)]
-        if keys:
-            self.tp.check_capturable()
-        self._ranks.same("the descriptors to capture, in order", [graph_key(*k) for k in keys])
-        before = self._graphs.snapshot()["captures"]
-        start = time.perf_counter()
-        failed, table = [], []
-        with (self._ranks.together("capture"), self._graphs.capture_phase(),
-              Progress("descriptors captured", len(keys)) as progress):
-            for mode, descriptor in keys:
-                row = self._capture_or_warn(mode, descriptor)
-                if row["error"]:
-                    failed.append(row["descriptor"])
-                table.append(row)
-                progress.advance()
-        # A descriptor captured on one rank only would replay its collectives alone.
-        self._ranks.same("the descriptors whose capture failed", failed)
-        held = self._graphs.snapshot()
-        summary = {"descriptors": len(keys) - len(failed), "graphs": held["captures"] - before,
-                   "seconds": time.perf_counter() - start, "bytes": held["graph_bytes"],
-                   "bytes_by_descriptor": held["bytes_by_descriptor"], "failed": failed}
-        logger.info("kvgraph: captured %d descriptors (%d graphs: one per piece each) in %.2f s; "
-                    "this runner's graphs hold %.1f MiB", summary["descriptors"],
-                    summary["graphs"], summary["seconds"], summary["bytes"] / 2**20)
-        self._dump.runtime_json("capture", {**summary, "table": table}, in_events=True)
-        return summary
+        return capture_graphs(self._graphs, self._dispatcher.descriptors_to_capture(),
+                              self._capture_one, self._ranks, self._dump)
 
     def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:
         """Run one step; the logits of each chunk's last token, `[len(chunks), vocab]`.
@@ -305,22 +260,6 @@ class ModelRunner:
                                                   self._graphs, probe):
             yield lambda: model(step.input_ids, step.positions)
 
-    def _capture_or_warn(self, mode: GraphMode, descriptor: BatchDescriptor) -> dict[str, Any]:
-        """Capture one descriptor; its row of the capture table (`error` None if it worked)."""
-        row = {"descriptor": graph_key(mode, descriptor), "mode": mode.value,
-               "num_tokens": descriptor.num_tokens, "num_reqs": descriptor.num_reqs,
-               "uniform_decode": descriptor.uniform_decode, "error": None}
-        start = time.perf_counter()
-        try:
-            self._capture_one(mode, descriptor)
-        except Exception as error:  # noqa: BLE001 - one descriptor's failure costs only its graph
-            row["error"] = f"{type(error).__name__}: {error}"
-            logger.warning("kvgraph: capturing %s failed (%s); its batches will run without "
-                           "graphs", row["descriptor"], row["error"])
-        row.update(self._graphs.descriptor_report(mode, descriptor),
-                   seconds=time.perf_counter() - start)
-        return row
-
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
         # One-token requests shaped like the descriptor's real batches; they write nothing.
         batch = self._dummy_batch(descriptor.num_reqs or 1)
@@ -337,24 +276,13 @@ class ModelRunner:
 
     def stats(self) -> dict[str, Any]:
         """This runner's counts: dispatch, graphs (memory included) and its model's compile."""
-        dispatch = self._dispatcher.stats
         return {
             "graph_mode": self.config.graph_mode.value,
-            "hits": {f"{self._step_label(mode)}:{d}": n for (mode, d), n in dispatch.hits.items()},
-            "padded_tokens": dispatch.padded_tokens,
-            "fallbacks": dispatch.fallbacks,
-            "uncaptured": dispatch.uncaptured,
+            **self._dispatcher.report(),
             "graphs": self._graphs.snapshot(),
             "compile": self._compile_counters().snapshot(),
             "verify": self._verifier.stats() if self._verifier else disabled_stats(),
         }
-
-    def _step_label(self, mode: str) -> str:
-        """How a step ran, for `stats()["hits"]`: its graph's mode, else "eager" (the model as
-        written) or "none" (compiled, without a graph)."""
-        if mode == GraphMode.NONE.value and self.config.graph_mode is GraphMode.EAGER:
-            return "eager"
-        return mode
 
     def dump_stats(self) -> dict[str, Any]:
         """Write `stats()` into the debug dump (stats.json) now, and return it; `close()` does
@@ -386,12 +314,3 @@ class ModelRunner:
         if self._forward is None:
             raise RunnerError("this ModelRunner was closed; build a new one to run the model")
 
-
-def _root_cause(error: BaseException) -> str:
-    """The innermost error Dynamo wrapped (a backend's own error), as `Type: message`."""
-    while True:
-        inner = getattr(error, "inner_exception", None) or error.__cause__
-        if inner is None or inner is error:
-            break
-        error = inner
-    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"

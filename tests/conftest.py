@@ -17,6 +17,13 @@ if not os.path.exists("/dev/nvidiactl"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# pytest-xdist's workers (`-n N`) share the cores: each gets its part of torch's threads, since
+# OpenMP threads that outnumber the cores spin on each other's (a test that wants another
+# count sets it, and `compute_threads_kept` puts this one back).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, torch.get_num_threads()
+                              // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 # Helper modules' asserts get pytest's detailed messages, as a test module's do.
 pytest.register_assert_rewrite("tests.attention_reference", "tests.scenario")
 
@@ -32,8 +39,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def compile_cache_dir(tmp_path_factory):
-    """One kvgraph (and so inductor) cache dir for the whole run: cold compiles happen once."""
-    return str(tmp_path_factory.mktemp("kvgraph-cache"))
+    """One kvgraph (and so inductor) cache dir for the whole run, shared by pytest-xdist's
+    workers (their base temp dirs share a parent): each cold compile happens once per run.
+    Both caches write whole files by rename, so workers may fill it at once."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return str(tmp_path_factory.mktemp("kvgraph-cache"))
+    shared = tmp_path_factory.getbasetemp().parent / "kvgraph-cache"
+    shared.mkdir(mode=0o700, exist_ok=True)
+    return str(shared)
 
 
 @pytest.fixture

@@ -14,6 +14,8 @@ from kvgraph import GraphMode, RequestChunk
 from kvgraph.compilation.counters import compile_counters
 from tests.scenario import CAPTURE_SIZES, assert_matches_eager, make_model, make_runner
 
+pytestmark = pytest.mark.usefixtures("fresh_compile_state")  # some tests count compiles
+
 SIZES = dict(num_blocks=16, block_size=4, max_num_seqs=2, max_num_tokens=8)
 
 BAD_RUNNER_ARGS = {

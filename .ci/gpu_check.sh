@@ -40,7 +40,7 @@ print(torch.cuda.get_device_name())"; python -c "import transformers; print(\"tr
 stage install 90 pip install --no-deps --no-build-isolation -e .
 stage pytest-cuda 180 python -m pytest -m cuda -q -p no:cacheprovider --timeout 120 \
   --continue-on-collection-errors --junitxml "$OUT/pytest-cuda.xml"
-stage triton-kernels 120 python -m pytest tests/test_triton_backend.py -q -p no:cacheprovider \
+stage triton-kernels 120 python -m pytest tests/kvgraph/attention/backends/test_triton_backend.py -q -p no:cacheprovider \
   --timeout 60 --junitxml "$OUT/triton-kernels.xml"
 stage attention-kernels 150 python -m examples.benchmarks.attention_kernels --device cuda \
   --dtype bfloat16 --json "$OUT/attention_kernels.json"

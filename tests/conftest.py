@@ -1,7 +1,14 @@
 """Shared test setup: the `cuda` marker skips without a GPU; the compile cache dir and fresh
 Dynamo state fixtures, a small tmpfs for full-disk faults, a check that no test leaves
 torch.distributed initialised, and the compute threads and frozen start-up objects put back after
-each test. Shared helpers (models, schedules, `dynamo_capture`) are in tests/scenario.py, the attention references in tests/attention_reference.py."""
+each test.
+
+Test modules import no other test module: helpers shared between them live in tests/support/
+(models, schedules and `dynamo_capture` in scenario.py, the attention references in
+attention_reference.py, the example engine's and server's in engines.py and servers.py, and so
+on: each module's docstring says what it holds), and fixtures shared by one directory's tests in
+that directory's conftest.py (tests/examples/conftest.py's `checkpoint`,
+tests/examples/models/conftest.py's `no_cache`)."""
 
 import gc
 import logging
@@ -25,7 +32,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
                               // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 # Helper modules' asserts get pytest's detailed messages, as a test module's do.
-pytest.register_assert_rewrite("tests.attention_reference", "tests.scenario")
+pytest.register_assert_rewrite("tests.support.attention_reference", "tests.support.scenario",
+                               "tests.support.servers")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import kvgraph
-from kvgraph.cpu.packed_linear import LinearPacking
+from kvgraph.cpu.linear_packing import LinearPacking
 
 from .causal_lm import CausalLM, DecoderConfig
 from .layers import MergedLinear, RMSNorm, RotaryEmbedding

@@ -26,7 +26,8 @@ from torch import nn
 
 import kvgraph
 from kvgraph.distributed import TensorParallelGroup, all_reduce
-from kvgraph.cpu.packed_linear import LinearPacking, linear_packing, module_linear
+from kvgraph.cpu.linear_packing import LinearPacking, linear_packing
+from kvgraph.cpu.packed_linear import module_linear
 
 from .layers import MergedLinear
 

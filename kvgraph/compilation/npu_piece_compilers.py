@@ -21,7 +21,7 @@ piece and builds the ATen graph:
 Neither keeps artifacts kvgraph's compile cache can hold, so none is used (said once per
 compile). A build that fails runs as the FX code with a warning, as inductor's do, unless
 `on_error` is "raise". Not run on Ascend hardware by kvgraph's tests, which fake both
-(tests/test_npu_piece_compilers.py).
+(tests/kvgraph/compilation/test_npu_piece_compilers.py).
 """
 
 from __future__ import annotations

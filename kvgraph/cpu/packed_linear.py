@@ -26,7 +26,7 @@ packed matmuls are ops of kvgraph's own, opaque to compilers like the attention 
 kernels give the output's shape.
 
 How a model says how its linears may be packed: by one module attribute, `linear_packing`, a
-`LinearPacking` (on the class or the instance; `linear_packing(module)` reads it). The default,
+`LinearPacking` (`kvgraph.cpu.linear_packing`; on the class or the instance). The default,
 `LINEAR`, lets the transforms (`pack_linear_weights` and `use_small_batch_linear`) swap an
 `nn.Linear` keeping its forward for a `PackedLinear` or a `SmallBatchLinear`. A module of its
 own that reads its weight by `module_linear(x, self)` declares `READS_THROUGH_LINEAR`: its weight
@@ -43,7 +43,6 @@ small-batch kernel at a decode step's few rows (`kvgraph.cpu.small_batch_linear`
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
 from pathlib import Path
@@ -52,6 +51,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kvgraph.cpu.linear_packing import (LinearKernel, LinearPacking, declared_packings,
+                                        keeps_linear_forward, linear_kernel)
 from kvgraph.cpu.tile_weights import (fp32_tiles_usable, is_tile_packed, tile_linear, tile_packable,
                                   to_tiles)
 
@@ -88,54 +89,6 @@ torch.library.register_fake("kvgraph::packed_linear", _packed_linear_fake, lib=_
 def is_packed(weight: torch.Tensor) -> bool:
     """Whether `weight` is packed: oneDNN's opaque tensor or one of kvgraph's tile layouts."""
     return weight.layout == torch._mkldnn or is_tile_packed(weight)
-
-
-class LinearPacking(enum.Enum):
-    """What the weight transforms may do to a module's weight: a model's declaration, the
-    module's `linear_packing` attribute (LINEAR where it has none)."""
-
-    LINEAR = "linear"  # an nn.Linear keeping its forward may be swapped for a kvgraph one
-    READS_THROUGH_LINEAR = "reads through linear"  # forward calls module_linear: packed in place
-    PLAIN = "plain"  # the model reads the weight as a matrix: left as it is
-
-
-class LinearKernel(enum.Enum):
-    """The kernel that runs a `READS_THROUGH_LINEAR` module's weight, recorded on it by the
-    transforms (its `linear_kernel` attribute; TORCH where they chose none)."""
-
-    TORCH = "F.linear"
-    TILES = "kvgraph's tile kernel"
-    ONEDNN = "oneDNN's packed linear"
-    SMALL_BATCH = "kvgraph's small-batch kernel"
-
-
-def linear_packing(module: nn.Module, path: str = "") -> LinearPacking:
-    """`module`'s declared `LinearPacking` (LINEAR where it declares none); a TypeError, naming
-    the module by `path` where given, for anything else."""
-    packing = getattr(module, "linear_packing", LinearPacking.LINEAR)
-    if not isinstance(packing, LinearPacking):
-        name = f"{path} ({type(module).__name__})" if path else type(module).__name__
-        raise TypeError(f"{name}.linear_packing: expected a LinearPacking ("
-                        f"{', '.join(p.name for p in LinearPacking)}), got {packing!r}; declare "
-                        f"it as e.g. `linear_packing = LinearPacking.PLAIN`")
-    return packing
-
-
-def declared_packings(model: nn.Module) -> dict[nn.Module, LinearPacking]:
-    """Every module of `model` with its `LinearPacking`: all checked before a transform changes
-    anything."""
-    return {module: linear_packing(module, path) for path, module in model.named_modules()}
-
-
-def keeps_linear_forward(module: nn.Module) -> bool:
-    """Whether `module` is an `nn.Linear` running `nn.Linear`'s forward: a subclass with a
-    forward of its own reads its weight itself, so swapping the module would lose that."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-
-
-def linear_kernel(module: nn.Module) -> LinearKernel:
-    """The kernel the transforms recorded on `module` (TORCH where they recorded none)."""
-    return getattr(module, "linear_kernel", LinearKernel.TORCH)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -18,8 +18,9 @@ import logging
 import torch
 from torch import nn
 
-from kvgraph.cpu.packed_linear import (LinearKernel, LinearPacking, can_pack, declared_packings,
-                                       dtype_name, keeps_linear_forward)
+from kvgraph.cpu.linear_packing import (LinearKernel, LinearPacking, declared_packings,
+                                        keeps_linear_forward)
+from kvgraph.cpu.packed_linear import can_pack, dtype_name
 from kvgraph.cpu.tile_weights import is_tile_packed, linear_kernel_loaded
 
 logger = logging.getLogger(__name__)

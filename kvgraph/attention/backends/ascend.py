@@ -22,8 +22,8 @@ The host lengths come from the host copies of the step's lengths (no device read
 step (the plan). Every graph mode runs: piecewise graphs leave attention outside them, and in a
 full graph each FIA call is a task group whose lengths are rewritten before each replay
 (kvgraph.attention.backends.ascend_task_groups). Nothing here has run on Ascend hardware: it is
-tested against a stand-in of torch_npu's documented behaviour (tests/fake_torch_npu.py,
-tests/fake_npu_graphs.py).
+tested against a stand-in of torch_npu's documented behaviour (tests/support/fake_torch_npu.py,
+tests/support/fake_npu_graphs.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ torch_npu-npu_scatter_pa_kv_cache.md; CANN ops-transformer attention/fused_infer
 docs/aclnnFusedInferAttentionScoreV3.md (MLA heads 1-128, powers of two; op-plugin's copy says
 32/64/128); vllm-ascend vllm_ascend/attention/mla_v1.py (`_forward_decode`,
 `update_graph_params`, the 16-query limit) and attention_v1.py (`_forward_encoder_attention`).
-Not run on Ascend hardware: tested against tests/fake_npu_mla_ops.py.
+Not run on Ascend hardware: tested against tests/support/fake_npu_mla_ops.py.
 """
 
 from __future__ import annotations

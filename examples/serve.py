@@ -208,7 +208,7 @@ def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     # This process's start-up objects too (torch, the tokenizer, the app; the engine process
     # froze its own): one full collection of them took 152 ms, and the requests arriving
-    # meanwhile reached the engine one step late (README, "Bursts of requests").
+    # meanwhile reached the engine one step late (docs/serving.md, "Bursts of requests").
     freeze_startup_objects()
     logger.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
     server.run()

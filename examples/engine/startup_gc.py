@@ -3,7 +3,7 @@
 A loaded, compiled and captured model leaves hundreds of thousands of objects that live as long
 as the engine (modules, compiled pieces, Dynamo's and inductor's caches), and every full
 collection walks all of them: one took ~340 ms for the small Llama on the CPU, a pause for the
-step that meets it (measured: README, "Serving"). `gc.freeze()` moves them to a generation the
+step that meets it (measured: docs/serving.md). `gc.freeze()` moves them to a generation the
 collector never visits; what steps allocate afterwards is collected as before. A process that drops its engine and builds
 another (tests do) may `gc.unfreeze()` to hand the old one's objects back.
 """

@@ -4,7 +4,7 @@ A CPU decode step is bound by reading the weights from memory, and with 4 KiB pa
 them across one page-table entry per 4 KiB: 25,000 entries for the small Llama's 98 MB of fp32,
 far more than the TLB holds, so the walks the misses cost slow the stream. In 2 MiB pages the
 same weights take 47 entries. Measured on a 2-core AMD EPYC Zen 3 VM, one thread, alternating
-in one process (`examples/benchmarks/huge_pages.py`; README, "Huge pages"): summing the fp32
+in one process (`examples/benchmarks/huge_pages.py`; docs/performance.md, "Huge pages"): summing the fp32
 weights took 0.85x the time, the small-batch kernel's pass over them at one row 0.92x, and the
 example engine's fp32 decode step 0.92x (batch 1) and 0.95x (batch 16); bf16 (half the bytes)
 and prefill (bound by arithmetic) were unchanged.

@@ -7,7 +7,7 @@ blocks are freed, to at most 32 MiB) with a fresh mapping and unmaps it when fre
 heap's free top: each time, the pages go back to Linux, which faults them in and zeroes them
 again on first touch. A prefill's larger activations meet that every layer (the small Llama's
 gate/up output at 1024 tokens is 11.5 MB). On a 2-core AMD EPYC Zen 4 VM (one thread, a
-prefill of 16 x 64 tokens, fp32; README, "Freed memory kept") a prefill took 3,800-9,400 page
+prefill of 16 x 64 tokens, fp32; docs/performance.md, "Freed memory kept") a prefill took 3,800-9,400 page
 faults and 465-478 ms, and under the torch profiler, whose own allocations move glibc's
 threshold, 533-876 ms, its 8 gate/up matmuls 270-620 ms; with freed memory kept, 0 faults,
 459-470 ms, the matmuls 215 ms.

@@ -10,7 +10,7 @@ load:
   `kvgraph_cpu::bf16_linear` (AVX512-BF16 dot products for a decode step's few rows, AMX tiles
   for more where the processor has AMX, dot products for every batch where it has not).
   torch's oneDNN linear costs ~35 us a call before any arithmetic, which a decode step of
-  dozens of small matmuls feels (README, "bf16 linears").
+  dozens of small matmuls feels (docs/performance.md, "bf16 linears").
 - fp32, where it is packed (`packed_dtypes`) and the processor has AVX-512 (and the weight is
   [16 n, k]): kvgraph's fp32 tile layout `[out / 16, in, 16]`, read by `kvgraph_cpu::fp32_linear`.
 - otherwise (fp16; bf16 without AVX512-BF16; fp32 without AVX-512): oneDNN's blocked layout,
@@ -59,12 +59,12 @@ from kvgraph.cpu.tile_weights import (fp32_tiles_usable, is_tile_packed, tile_li
 logger = logging.getLogger(__name__)
 
 # The dtypes packed everywhere by default: those whose plain matmul repacks the weight on every
-# call. fp32 matmuls go to MKL's sgemm, which reads the plain weight as it is (see the README),
+# call. fp32 matmuls go to MKL's sgemm, which reads the plain weight as it is (see docs/performance.md),
 # and are packed only where oneDNN's are faster (`packed_dtypes`).
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 CPUINFO = Path("/proc/cpuinfo")
 # Rows oneDNN is told to expect when it chooses the packed layout: decode batches are small,
-# and a layout chosen for them also serves prefill (measured: README, "Packed weights").
+# and a layout chosen for them also serves prefill (measured: docs/performance.md, "Packed weights").
 PACKING_BATCH_HINT = 16
 TILE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}  # a PackedLinear's repr says which
 
@@ -205,7 +205,7 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
     kvgraph's fp32 tiles beat oneDNN's packed fp32 linear up to 64 rows (0.49x its time at 1
     row, 0.88x at 16) and matched it at prefill sizes, and oneDNN's beat both MKL's sgemm and
     kvgraph's small-batch kernel at every batch size, where on an Intel Xeon oneDNN's lost to
-    both at a decode step's rows and the tiles have not run (README, "fp32 linears"): a rule
+    both at a decode step's rows and the tiles have not run (docs/performance.md, "fp32 linears"): a rule
     from the processors measured, not a law."""
     amd_avx512 = (torch.backends.cpu.get_cpu_capability().startswith("AVX512")
                   and cpu_vendor() == "AuthenticAMD"

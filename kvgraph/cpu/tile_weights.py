@@ -58,7 +58,7 @@ def bf16_tiles_usable() -> bool:
     if level == 2:
         logger.info("kvgraph: bf16 linears run kvgraph's kernel (AVX512-BF16 and AMX)")
     elif level == 1:
-        # Measured on a Zen 4 (README, "bf16 linears"): ahead of oneDNN's packed linear up to
+        # Measured on a Zen 4 (docs/performance.md, "bf16 linears"): ahead of oneDNN's packed linear up to
         # 64 rows, level with it at prefill sizes, where both are bound by the same dot products.
         logger.info("kvgraph: bf16 linears run kvgraph's AVX512-BF16 kernel (no AMX here)")
     else:  # kvgraph.cpu.packed_linear says what runs them instead

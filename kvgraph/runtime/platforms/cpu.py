@@ -119,7 +119,7 @@ class CPUGraph:
 
 class CPUPlatform:
     """The CPU as kvgraph and a serving engine see it; its serving defaults were measured on
-    the small example Llama (README names each measurement)."""
+    the small example Llama (docs/performance.md names each measurement)."""
 
     name = "cpu"
     device_type = "cpu"
@@ -130,7 +130,7 @@ class CPUPlatform:
     # A CPU graph saves no launches, and one graph of the whole forward skips the pieces' own
     # Python between attention ops: decode steps 7-14% faster than piecewise on one thread,
     # 7-10% at batch 1 on two (batch 16 within noise; small Llama, Zen 4,
-    # benchmarks/engine_graph_modes.py; README, "Graph modes against eager on the CPU"), for a
+    # benchmarks/engine_graph_modes.py; docs/performance.md, "Graph modes against eager on the CPU"), for a
     # cold compile ~1.35x piecewise's (warm: equal).
     default_graph_mode = GraphMode.FULL
     # Prefill throughput (small Llama, piecewise; benchmarks/token_budget.py) rises to 1024
@@ -140,7 +140,7 @@ class CPUPlatform:
     default_max_num_tokens = 1024
     # A CPU graph saves no launches (its replay reruns the compiled forward and copies the
     # outputs), so larger steps lose nothing running that forward without graphs (and without
-    # padding to a size), while capturing them made start-up several times longer (README,
+    # padding to a size), while capturing them made start-up several times longer (docs/performance.md,
     # "Capture sizes on the CPU"). Decode sizes stay captured, so serving keeps the graph
     # contract's path that devices run.
     captures_decode_only = True

@@ -88,7 +88,7 @@ def test_inductor_threads_compares_serial_and_parallel_builds(tmp_path, compile_
 
     payload = inductor_threads.main([
         "--preset", "tiny", "--dtypes", "float32", "--prefill", "2", "8", "--rounds", "2",
-        "--steps", "2", "--max-model-len", "64", "--compile-cache-dir", compile_cache_dir,
+        "--steps", "32", "--max-model-len", "64", "--compile-cache-dir", compile_cache_dir,
         "--json", str(tmp_path / "threads.json")])
     (row,) = payload["results"]
     assert set(row["medians"]) == {"serial", "parallel"}

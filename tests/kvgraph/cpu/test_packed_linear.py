@@ -239,7 +239,7 @@ def test_a_dtype_onednn_cannot_pack_stays_plain_and_says_so_once(monkeypatch, ca
 def test_fp32_is_packed_by_default_on_amd_processors_with_avx512_only(
         monkeypatch, tmp_path, vendor, capability, fp32):
     """oneDNN's packed fp32 linear measured fastest at every batch size on a Zen 4 and slowest at
-    a decode step's rows on a Xeon (README, "Packed weights"): the default follows the vendor."""
+    a decode step's rows on a Xeon (docs/performance.md, "Packed weights"): the default follows the vendor."""
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nvendor_id\t: {vendor}\nflags\t\t: fpu avx2\n"
                        if vendor else "processor\t: 0\n")

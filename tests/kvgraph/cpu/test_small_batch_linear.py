@@ -85,7 +85,7 @@ def test_a_row_has_the_same_bits_in_any_batch(dtype):
 
 def test_batches_past_its_rows_run_f_linear_and_no_build_claims_more_than_measured():
     max_rows = small_batch_max_rows()
-    # AVX-512, AVX2 (what the README's measurements support), or built without AVX2 and FMA
+    # AVX-512, AVX2 (what docs/performance.md's measurements support), or built without AVX2 and FMA
     assert max_rows in (16, 48, 0)
     torch.manual_seed(0)
     x, weight = torch.randn(max_rows + 1, 64), torch.randn(24, 64)

@@ -55,13 +55,13 @@ def test_ratios_are_of_medians_and_know_which_way_is_better():
 
 def test_the_checkpoint_loads_in_kvgraph_with_a_tokenizer_covering_the_vocabulary(tmp_path):
     from examples.engine.checkpoint import load_checkpoint
-    from examples.models import Llama
+    from examples.models import MODELS
 
     path = write_checkpoint(tmp_path, seed=0)
     config = json.loads((path / "config.json").read_text())
     assert config["vocab_size"] == PRESETS[PRESET]["vocab_size"]
     assert config["hidden_size"] == PRESETS[PRESET]["hidden_size"]
-    model, tokenizer = load_checkpoint(path, {"llama": Llama}, torch.float32, "cpu")
+    model, tokenizer = load_checkpoint(path, MODELS, torch.float32, "cpu")
     assert tokenizer.tokenizer.get_vocab_size() == config["vocab_size"]
     assert tokenizer.decode(tokenizer.encode("paged attention, über alles")) == \
         "paged attention, über alles"

@@ -5,7 +5,7 @@ import gc
 
 from examples.engine import add_engine_args, build_engine
 from examples.engine.startup_gc import freeze_startup_objects
-from examples.models import Llama
+from examples.models import MODELS
 
 
 class Node:
@@ -31,7 +31,7 @@ def test_the_engine_freezes_after_start_up():
     gc.unfreeze()
     args = add_engine_args(argparse.ArgumentParser()).parse_args(
         ["--preset", "tiny", "--graph-mode", "eager", "--max-model-len", "64"])
-    engine, _ = build_engine(args, {"llama": Llama})
+    engine, _ = build_engine(args, MODELS)
     try:
         assert gc.get_freeze_count() > 0
     finally:

@@ -198,12 +198,12 @@ def test_inductor_pieces_built_for_unmoved_weights_load_for_moved_ones(compile_c
 @pytest.mark.parametrize("flags, huge", [([], True), (["--no-huge-pages"], False)])
 def test_the_engine_moves_cpu_weights_unless_told_not_to(flags, huge):
     from examples.engine import add_engine_args, build_engine
-    from examples.models import Llama
+    from examples.models import MODELS
 
     args = add_engine_args(argparse.ArgumentParser()).parse_args(
         ["--preset", "tiny", "--graph-mode", "piecewise", "--piece-compiler", "eager",
          "--max-model-len", "64", *flags])
-    engine, _ = build_engine(args, {"llama": Llama})
+    engine, _ = build_engine(args, MODELS)
     try:
         # oneDNN's packed weights (fp32 ones too on AMD processors with AVX-512) stay put.
         movable = [p for p in engine.runner.model.parameters() if p.layout == torch.strided]

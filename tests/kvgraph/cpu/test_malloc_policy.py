@@ -58,13 +58,13 @@ def test_another_c_library_is_left_alone_and_said_so(monkeypatch, caplog):
 @pytest.mark.parametrize("flags, kept", [([], True), (["--no-keep-freed-memory"], False)])
 def test_the_engine_keeps_freed_memory_on_the_cpu_unless_told_not_to(monkeypatch, flags, kept):
     from examples.engine import add_engine_args, build_engine
-    from examples.models import Llama
+    from examples.models import MODELS
 
     calls = []  # the engine asks the CPU platform, which sets the policy
     monkeypatch.setattr(malloc_policy, "keep_freed_memory", lambda: calls.append(True))
     args = add_engine_args(argparse.ArgumentParser()).parse_args(
         ["--preset", "tiny", "--graph-mode", "eager", "--max-model-len", "64", *flags])
-    engine, _ = build_engine(args, {"llama": Llama})
+    engine, _ = build_engine(args, MODELS)
     engine.runner.close()
     assert calls == ([True] if kept else [])
 

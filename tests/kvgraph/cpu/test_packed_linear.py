@@ -182,12 +182,12 @@ def test_the_engine_packs_the_processors_packed_dtypes_on_the_cpu_unless_told_no
     import argparse
 
     from examples.engine import add_engine_args, build_engine
-    from examples.models import DeepseekMLA, Llama
+    from examples.models import MODELS
 
     args = add_engine_args(argparse.ArgumentParser()).parse_args(
         ["--preset", "tiny", "--graph-mode", "piecewise", "--max-model-len", "64",
          "--dtype", dtype, *flags])
-    engine, _ = build_engine(args, {"llama": Llama, "mla": DeepseekMLA})
+    engine, _ = build_engine(args, MODELS)
     try:
         weights = _linear_weights(engine.runner.model)
         assert weights and all(is_packed(w) == packed for w in weights)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvgraph.attention.metadata import AttentionMetadata
-    from kvgraph.config import GraphMode
+    from kvgraph.graph_mode import GraphMode
 
 # What an attention op tells a probe after it ran: its op name, the layer's cache (which names
 # the layer), its inputs and its output. See ForwardContext.probe.

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .async_engine import AsyncEngine
+from .chat_template import SOURCES as CHAT_TEMPLATE_SOURCES
 from .engine_process import EngineProcess
 from .errors import ModelNotFound, RequestError, RequestFailed
 from .http_answers import collect, events, merged, resume
@@ -67,8 +68,9 @@ def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
     async def chat_completions(http: Request) -> Response:
         if tokenizer.chat_template is None:
             return JSONResponse(error_body(
-                "this model has no chat template (tokenizer_config.json 'chat_template'); "
-                f"use {COMPLETIONS}", None, "not_found_error"), status_code=404)
+                "this model has no chat template (a checkpoint's is read from "
+                f"{', '.join(CHAT_TEMPLATE_SOURCES)}, first found); use {COMPLETIONS}", None,
+                "not_found_error"), status_code=404)
         return await generate(http, chat=True)
 
     @app.get("/health", response_model=None)

@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from .chat_template import ChatTemplate, log_chat_template, read_chat_template
+
 # Bytes are token ids 0..255.
 NUM_BYTES = 256
 
@@ -33,13 +35,15 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A checkpoint's `tokenizer.json`, with `tokenizer_config.json`'s special tokens and chat
-    template (rendered with jinja2, as Hugging Face renders it)."""
+    """A checkpoint's `tokenizer.json`, with `tokenizer_config.json`'s special tokens and the
+    checkpoint's chat template (chat_template.py; rendered with jinja2, as Hugging Face renders
+    it)."""
 
-    def __init__(self, tokenizer: Any, config: Mapping[str, Any], eos_token_ids: set[int]):
+    def __init__(self, tokenizer: Any, config: Mapping[str, Any], eos_token_ids: set[int],
+                 chat_template: ChatTemplate | None = None):
         self.tokenizer = tokenizer
         self.config = config
-        self.chat_template: str | None = config.get("chat_template")
+        self.chat_template: str | None = chat_template.text if chat_template else None
         self.eos_token_ids = frozenset(eos_token_ids)
 
     @classmethod
@@ -62,7 +66,9 @@ class HFTokenizer:
         eos_token = _token_text(config.get("eos_token"))
         if eos_token is not None and tokenizer.token_to_id(eos_token) is not None:
             eos_ids.add(tokenizer.token_to_id(eos_token))
-        return cls(tokenizer, config, eos_ids)
+        template = read_chat_template(path, config)
+        log_chat_template(template, path)
+        return cls(tokenizer, config, eos_ids, template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -11,6 +11,7 @@ import kvgraph
 from examples.benchmarks import attention_kernels, decode_latency
 from examples.benchmarks.static_llama import StaticLlama
 from examples.models.llama import Llama
+from tests.support.measured import assert_measured
 
 
 def kvgraph_greedy(model: Llama, prompt: list[int], steps: int) -> list[torch.Tensor]:
@@ -56,8 +57,8 @@ def test_decode_latency_runs_on_a_tiny_config(tmp_path, compile_cache_dir):
     for name, row in rows.items():  # the HF row is skipped without transformers
         if name != "memory bound":
             assert row["token_match"] == {2: 1.0}, name
-    assert all(ms > 0 for ms in rows["kvgraph full_decode_only"]["host_ms"].values())
-    assert all(rate > 0 for row in rows.values() for rate in row.get("prefill_tok_s", {}).values())
+    assert_measured(rows["kvgraph full_decode_only"]["host_ms"].values())
+    assert_measured(rate for row in rows.values() for rate in row.get("prefill_tok_s", {}).values())
     assert rows["kvgraph eager"]["prefill_tok_s"].keys() == {2}
     assert payload["attn_backend"] == "cpu_paged"  # the CPU platform's default
     assert json.loads(out.read_text())["results"]
@@ -79,7 +80,7 @@ def test_attention_kernels_smoke(tmp_path):
     for row in payload["rows"]:
         for name in payload["backends"]:
             assert row["max_abs_diff"][name] < 1e-4, (row["case"], name)
-            assert row["ms"][name] > 0
+            assert_measured([row["ms"][name]])
 
 
 @pytest.mark.slow
@@ -93,7 +94,7 @@ def test_inductor_threads_compares_serial_and_parallel_builds(tmp_path, compile_
     (row,) = payload["results"]
     assert set(row["medians"]) == {"serial", "parallel"}
     assert set(row["ratio"]) == {"prefill_tok_s", "decode_b1_ms", "decode_b2_ms"}
-    assert all(v > 0 for kind in row["medians"].values() for v in kind.values())
+    assert_measured(v for kind in row["medians"].values() for v in kind.values())
     assert payload["args"]["threads"] == 2 and len(row["samples"]["serial"]) == 2
 
 
@@ -108,6 +109,6 @@ def test_token_budget_times_prefill_and_the_stall_a_long_prompt_causes(tmp_path)
     for budget, row in payload["medians"].items():
         # Two decoding requests take a token each of every step; the prompt gets the rest.
         assert row["stall_steps"] == -(-24 // (budget - 2))
-        assert min(row["prefill_tok_s"], row["stall_ms"], row["decode_step_ms"]) > 0
+        assert_measured([row["prefill_tok_s"], row["stall_ms"], row["decode_step_ms"]])
     assert len(payload["samples"][8]) == 2
     assert (tmp_path / "budget.json").is_file()

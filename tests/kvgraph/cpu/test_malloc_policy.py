@@ -13,6 +13,7 @@ import pytest
 
 from kvgraph.cpu import malloc_policy
 from kvgraph.cpu.malloc_policy import MallocPolicy, keep_freed_memory
+from tests.support.measured import assert_measured
 
 GLIBC = pytest.mark.skipif(
     not sys.platform.startswith("linux") or __import__("platform").libc_ver()[0] != "glibc",
@@ -76,6 +77,6 @@ def test_the_benchmark_times_both_settings(tmp_path):
                                  "--kvgraph-arg=--piece-compiler=eager",
                                  "--json", str(tmp_path / "fm.json")])
     assert set(payload["results"]) == {"prefill_tok_s", "decode_b16_ms"}
-    assert all(set(by) == {"default", "kept"} and all(v > 0 for v in by.values())
-               for by in payload["results"].values())
+    assert all(set(by) == {"default", "kept"} for by in payload["results"].values())
+    assert_measured(v for by in payload["results"].values() for v in by.values())
     assert (tmp_path / "fm.json").exists()

@@ -16,6 +16,7 @@ from kvgraph.cpu.small_batch_linear import (SmallBatchLinear, small_batch_dtypes
                                         use_small_batch_linear)
 from tests.support.attention_reference import OpRecorder
 from tests.support.scenario import BLOCK_SIZE, CAPTURE_SIZES, NUM_BLOCKS, generate, make_model
+from tests.support.measured import assert_measured
 
 pytestmark = pytest.mark.skipif(not small_batch_kernel_loaded(),
                                 reason="kvgraph's CPU kernels cannot be built here")
@@ -224,7 +225,7 @@ def test_the_benchmark_times_both_kernels(tmp_path):
     payload = benchmark.main(["--preset", "tiny", "--rows", "1", "20", "--rounds", "1",
                               "--json", str(tmp_path / "sbl.json")])
     assert [row["rows"] for row in payload["results"]] == [1, 20]
-    assert all(ms > 0 for row in payload["results"] for ms in row["ms"].values())
+    assert_measured(ms for row in payload["results"] for ms in row["ms"].values())
     assert (tmp_path / "sbl.json").exists()
 
 
@@ -234,7 +235,7 @@ def test_the_benchmark_times_onednns_packed_linear_beside_them(tmp_path):
     payload = benchmark.main(["--preset", "tiny", "--rows", "2", "--rounds", "1", "--onednn",
                               "--json", str(tmp_path / "sbl.json")])
     (row,) = payload["results"]
-    assert row["ms"]["oneDNN"] > 0 and row["onednn_ratio"] > 0
+    assert_measured([row["ms"]["oneDNN"], row["onednn_ratio"]])
     w = torch.randn(48, 32)
     x = torch.randn(2, 32)
     torch.testing.assert_close(benchmark.onednn_matmul([w])(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
@@ -247,7 +248,7 @@ def test_the_benchmark_times_another_version_of_the_kernel_beside_it(tmp_path):
                               "--against", str(benchmark.KERNEL_SOURCE),
                               "--json", str(tmp_path / "sbl.json")])
     (row,) = payload["results"]
-    assert row["ms"]["against"] > 0 and row["ratio_to_against"] > 0
+    assert_measured([row["ms"]["against"], row["ratio_to_against"]])
     x, w = torch.randn(3, 24), torch.randn(5, 24)
     torch.testing.assert_close(torch.ops.kvgraph_cpu_against.small_batch_linear(x, w, None),
                                torch.ops.kvgraph_cpu.small_batch_linear(x, w, None),

@@ -46,16 +46,26 @@ PROMPTS = (
 )
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's flags: the engine's, kvgraph's and its own."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(parser, preset="small")
-    parser.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS))
-    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
+    parser.add_argument("--num-prompts", type=positive_int, default=len(PROMPTS),
+                        help="how many of the built-in prompts to run, repeated as needed "
+                        "(default %(default)s)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16,
+                        help="tokens generated per prompt (default %(default)s)")
     parser.add_argument("--temperature", type=float_in(0, sys.float_info.max), default=0.0,
                         help="0 is greedy")
     parser.add_argument("--top-k", type=int_in(0, 2**31 - 1), default=0, help="0 is off")
-    parser.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=1.0)
-    return parser.parse_args(argv)
+    parser.add_argument("--top-p", type=float_in(0, 1, low_open=True), default=1.0,
+                        help="nucleus sampling: the smallest set of tokens holding this much "
+                        "probability (default 1: off)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

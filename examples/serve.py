@@ -114,11 +114,14 @@ def model_name(args: argparse.Namespace) -> str:
     return path.name if path.is_dir() else f"{args.model}-{args.preset}"
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """This script's flags: the engine's, kvgraph's and its own."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=LIMITS)
     add_engine_args(parser, preset="small")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=port, default=8000)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="the address to listen on (default %(default)s: this machine only)")
+    parser.add_argument("--port", type=port, default=8000,
+                        help="the TCP port to listen on (default %(default)s; 0: any free one)")
     parser.add_argument("--engine-loop", choices=ENGINE_LOOPS, default="process",
                         help="where the engine steps: a process of its own (default; the server "
                         "and the engine then never wait for each other's GIL), or a thread of "
@@ -137,7 +140,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         metavar="SECONDS", default=DEFAULT_SHUTDOWN_S,
                         help="on SIGTERM, how long requests in flight may go on before they "
                         "fail and the server exits (default %(default)g)")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 class Terminated(Exception):

@@ -65,8 +65,10 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--model", default="llama",
                        help="llama or mla (random weights), or a local Hugging Face checkpoint dir")
     group.add_argument("--preset", default=preset, help="size of a random-weight example model")
-    group.add_argument("--device", default="cpu")
-    group.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    group.add_argument("--device", default="cpu",
+                       help="where the model runs: cpu, cuda[:i] or npu[:i] (default cpu)")
+    group.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                       help="the weights' and activations' dtype (default float32)")
     group.add_argument("--attention-backend", help="kvgraph attention backend (default: the "
                        "device's)")
     group.add_argument("--max-num-seqs", type=int_in(1, MAX_NUM_SEQS), default=16,

@@ -68,6 +68,24 @@ class _WarningRecorder(logging.Handler):
             logging.getLogger("kvgraph").removeHandler(self)
             return
         session.event("warning", record.name, {"message": record.getMessage()})
+        self._pass_on(record)
+
+    def _pass_on(self, record: logging.LogRecord) -> None:
+        """Print `record` as Python would have without this handler: a process that configured
+        no logging shows warnings through `logging.lastResort`, which a logger stops using
+        once any handler is on its way, so recording them would otherwise silence them."""
+        last_resort = logging.lastResort
+        if last_resort is None or record.levelno < last_resort.level:
+            return
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            recorders = [h for h in logger.handlers if isinstance(h, _WarningRecorder)]
+            if len(recorders) < len(logger.handlers):
+                return  # a handler of the process's own shows it
+            if recorders and recorders[0] is not self:
+                return  # one recorder passes it on, not one per open session
+            logger = logger.parent if logger.propagate else None
+        last_resort.handle(record)
 
 
 class DumpSession:

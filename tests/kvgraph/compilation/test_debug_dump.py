@@ -295,3 +295,21 @@ def test_dump_code_that_fails_on_a_graph_costs_a_note_not_the_compile(tmp_path, 
     (report,) = tmp_path.glob("compile-000/*-split-pieces.json")
     assert "could not describe split-pieces: KeyError" in report.read_text()
     assert sum("could not describe" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["no logging set up", "basicConfig"])
+def test_a_dump_records_kvgraphs_warnings_without_taking_them_away(tmp_path, configured):
+    """Without logging set up, Python prints warnings through `logging.lastResort`, which it
+    stops using once any handler is on the way: the dump's recorder passes them on, once, and
+    with a handler of the process's own it leaves them to that one."""
+    script = (f"import logging{'; logging.basicConfig()' if configured else ''}\n"
+              "from tests.support.scenario import make_runner\n"
+              f"runner = make_runner('llama', 'none', debug_dump_path={str(tmp_path)!r})\n"
+              "logging.getLogger('kvgraph.probe').warning('the probe warns')\n"
+              "runner.close()\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=Path(__file__).parents[3], timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("the probe warns") == 1, result.stderr
+    events = "".join(p.read_text() for p in tmp_path.rglob("*.jsonl"))
+    assert "the probe warns" in events  # recorded in the dump too

@@ -34,6 +34,7 @@ from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
 from .startup_gc import freeze_startup_objects
+from .startup_stages import StartupStages, stage_times
 from .tokenizer import ByteTokenizer
 from .threads import SERVING_CORES, bind_compute_threads, set_compute_threads
 from .tp_launch import ranks_on_node, tensor_parallel_size, torchrun_rendezvous
@@ -166,14 +167,16 @@ def decode_capture_sizes(config: kvgraph.CompilationConfig, max_num_seqs: int
 
 @dataclass(frozen=True)
 class RankBuild:
-    """One rank's runner, captured, with the tokenizer, the cache sizing, the capture summary
-    and its compute threads (what rank 0's engine and start-up log need)."""
+    """One rank's runner, captured, with the tokenizer, the cache sizing, the capture summary,
+    its compute threads and the seconds of each start-up stage (what rank 0's engine and
+    start-up log need)."""
 
     runner: kvgraph.ModelRunner
     tokenizer: Any
     sizing: KVSizing
     capture: dict[str, Any]
     threads: int
+    stages: dict[str, float]
 
 
 def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str) -> RankBuild:
@@ -188,12 +191,15 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
         args.block_size = platform.default_block_size
     tp = tensor_parallel_group()
     # Before the model compiles: inductor's CPU kernels keep the thread count they are built with.
-    threads = set_compute_threads(args.threads, ranks_on_node(tp.world_size),
-                                  f"rank {tp.rank} of {tp.world_size}" if tp.world_size > 1
-                                  else "engine", platform.serving_cores).threads
-    model, tokenizer = load_model(args, models, tp=tp if tp.world_size > 1 else None)
-    platform.prepare_model(model, pack_weights=args.pack_weights, huge_pages=args.huge_pages)
-    platform.prepare_process(keep_freed_memory=args.keep_freed_memory)  # after the load's copies
+    who = f"rank {tp.rank} of {tp.world_size}" if tp.world_size > 1 else "engine"
+    threads = set_compute_threads(args.threads, ranks_on_node(tp.world_size), who,
+                                  platform.serving_cores).threads
+    stages = StartupStages(who)
+    with stages.stage("load weights", f"loading {_model_source(args, models)}"):
+        model, tokenizer = load_model(args, models, tp=tp if tp.world_size > 1 else None)
+    with stages.stage("prepare weights", f"preparing the weights for {device}"):
+        platform.prepare_model(model, pack_weights=args.pack_weights, huge_pages=args.huge_pages)
+        platform.prepare_process(keep_freed_memory=args.keep_freed_memory)  # after load's copies
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
@@ -204,15 +210,28 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
             max_num_seqs=args.max_num_seqs, device=device, max_model_len=max_model_len,
             attn_backend=args.attention_backend)
 
-    sizing = _agreed(choose_num_blocks(args, model, DTYPES[args.dtype], config.max_num_tokens,
-                                       max_model_len, build_runner), tp)
-    runner = build_runner(sizing.num_blocks)
-    capture = runner.capture()  # compiles first: a compile error raises here, before serving
+    with stages.stage("size KV cache", "sizing the KV cache"):
+        sizing = _agreed(choose_num_blocks(args, model, DTYPES[args.dtype],
+                                           config.max_num_tokens, max_model_len, build_runner), tp)
+        runner = build_runner(sizing.num_blocks)
+    # A compile error raises here, before serving.
+    with stages.stage("compile", f"compiling ({config.graph_mode.value} graph mode, "
+                      f"{config.piece_compiler} pieces): Dynamo traces the model, then each "
+                      "piece is built or loaded from the compile cache"):
+        runner.compile()
+    with stages.stage("capture", "capturing graphs"):
+        capture = runner.capture()
     if args.bind_threads:  # after compiling: what this thread starts later shares its core
         bind_compute_threads(threads, ranks_on_node(tp.world_size),
                              f"rank {tp.rank}" if tp.world_size > 1 else "engine")
     freeze_startup_objects()  # after the last start-up allocation, before the first step
-    return RankBuild(runner, tokenizer, sizing, capture, threads)
+    return RankBuild(runner, tokenizer, sizing, capture, threads, stages.seconds)
+
+
+def _model_source(args: argparse.Namespace, models: Mapping[str, Any]) -> str:
+    if args.model in models:
+        return f"the example {args.model!r} ({args.preset} preset, random weights)"
+    return f"the checkpoint {args.model}"
 
 
 def _agreed(sizing: KVSizing, tp: TensorParallelGroup) -> KVSizing:
@@ -248,12 +267,14 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
                "graph_bytes": capture["bytes"], "seconds": time.perf_counter() - start,
                "compile": runner.stats()["compile"], "num_blocks": built.sizing.num_blocks,
                "num_blocks_why": built.sizing.why, "tensor_parallel_size": world_size,
-               "threads": built.threads}
-    logger.info("engine ready in %.1f s: graph mode %s, %d descriptors captured (%d graphs, "
-                "%s), %d pieces built in %.1f s%s", summary["seconds"],
+               "threads": built.threads, "stages": built.stages}
+    compile_counts = summary["compile"]
+    logger.info("engine ready in %.1f s (%s): graph mode %s, %d descriptors captured (%d graphs, "
+                "%s), %d piece builds compiled and %d loaded from the compile cache%s",
+                summary["seconds"], stage_times(built.stages),
                 summary["graph_mode"], summary["descriptors"], summary["graphs"],
-                units.size(summary["graph_bytes"]), summary["compile"]["builds"],
-                summary["compile"]["compile_seconds"],
+                units.size(summary["graph_bytes"]), compile_counts["builds"],
+                compile_counts["cache_hits"],
                 f", on each of {world_size} tensor-parallel ranks" if world_size > 1 else "")
     return engine, summary
 

@@ -25,12 +25,14 @@ from kvgraph.compilation.debug import DumpSession
 from kvgraph.compilation.graph_wrapper import GraphWrapper
 from kvgraph.compilation.graph_report import node_signatures, node_table, pass_summary, split_report
 from kvgraph.compilation.piece_compiler import PieceCompiler, make_piece_compiler
-from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, token_symbols
+from kvgraph.compilation.piecewise import PiecewiseBackend, build_piece, static_sizes, token_symbols
 from kvgraph.config import CompilationConfig, GraphMode, without_pieces
+from kvgraph.progress import Progress
 from passes import (
     REGISTERED_PASSES,
     InplaceAttentionPass,
     PassManager,
+    SplitGraph,
     split_at_attention,
 )
 from passes.op_match import is_op_call
@@ -117,6 +119,8 @@ class KVGraphBackend:
             compiled = self._compile(gm, values, cache, dump)
         seconds = time.perf_counter() - start
         self.counters.add("compile_seconds", seconds)
+        logger.info("kvgraph: pieces ready in %.1f s: %d builds compiled, %d loaded from the "
+                    "compile cache", seconds, self.counters.builds, self.counters.cache_hits)
         dump.json("counters", "counters", self.counters.snapshot(), seconds=seconds)
         if self.config.graph_mode.has_full_graphs:
             compiled = GraphWrapper(compiled, GraphMode.FULL, "full", last=True)
@@ -172,9 +176,12 @@ class KVGraphBackend:
         self.config = config.replace(splitting_ops=(), graph_mode=mode)
 
     def _piece_compiler(self, cache: CompileCache | None, dump: DumpSession,
-                        patches: dict[str, Any], names: dict[str, str]) -> PieceCompiler:
-        """The configured piece compiler, each build dumped under its piece's name."""
+                        patches: dict[str, Any], names: dict[str, str], progress: Progress
+                        ) -> PieceCompiler:
+        """The configured piece compiler, each build dumped under its piece's name and counted
+        by `progress`."""
         def on_build(record: BuildRecord) -> None:
+            progress.advance(_BUILD_TAGS.get(record.outcome))
             fingerprint, _, size = record.name.rpartition("-")
             piece = names.get(fingerprint, fingerprint[:12])
             dump.text("build", f"build-{piece}-{size}",
@@ -201,11 +208,24 @@ class KVGraphBackend:
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)
             fingerprint = graph_fingerprint(gm)
-            compiler = self._piece_compiler(cache, dump, patches, {fingerprint: "full"})
             self.counters.add("pieces")
-            return build_piece(gm, values, config.compile_sizes, compiler, fingerprint,
-                               self.counters)
+            with self._build_progress([gm]) as progress:
+                compiler = self._piece_compiler(cache, dump, patches, {fingerprint: "full"},
+                                                progress)
+                return build_piece(gm, values, config.compile_sizes, compiler, fingerprint,
+                                   self.counters)
         return self._compile_pieces(gm, cache, dump)
+
+    def _build_progress(self, pieces: list[fx.GraphModule]) -> Progress:
+        """Progress over the builds of distinct `pieces`: each one's general build and one per
+        compile size it gets."""
+        config = self.config
+        total = sum(1 + len(static_sizes(_example_values(gm), config.compile_sizes,
+                                         config.piece_compiler)) for gm in pieces)
+        logger.info("kvgraph: Dynamo traced the model; building %d distinct piece%s with %s "
+                    "(%d build%s)", len(pieces), "s" * (len(pieces) != 1), config.piece_compiler,
+                    total, "s" * (total != 1))
+        return Progress("piece builds", total)
 
     def _compile_pieces(self, gm: fx.GraphModule, cache: CompileCache | None,
                         dump: DumpSession) -> fx.GraphModule:
@@ -217,7 +237,17 @@ class KVGraphBackend:
         dump.graph("split", "split", split.split_module, seconds=time.perf_counter() - start)
         dump.json("split", "split-pieces", lambda: split_report(split, fingerprints))
         names = {fingerprint: name for name, fingerprint in reversed(fingerprints.items())}
-        compiler = self._piece_compiler(cache, dump, config.inductor_options, names)
+        distinct = [piece.graph_module for piece in split.pieces if piece.name in names.values()]
+        with self._build_progress(distinct) as progress:
+            compiler = self._piece_compiler(cache, dump, config.inductor_options, names, progress)
+            self._build_pieces(split, fingerprints, compiler, dump)
+        return split.split_module
+
+    def _build_pieces(self, split: SplitGraph, fingerprints: dict[str, str],
+                      compiler: PieceCompiler, dump: DumpSession) -> None:
+        """Build each distinct compute piece of `split` once and put it (graph-wrapped in a
+        piecewise mode) in its place in the split module."""
+        config = self.config
         built: dict[str, PiecewiseBackend] = {}
         last = [piece for piece in split.pieces if not piece.is_splitting_op][-1].name
         for piece in split.pieces:
@@ -240,7 +270,6 @@ class KVGraphBackend:
             split.split_module.__dict__[piece.name] = runnable
             self.pieces.append(CompiledPiece(piece.name, piece.graph_module,
                                              split.split_module.__dict__, piece.name))
-        return split.split_module
 
     def _compile_cache(self, gm: fx.GraphModule, dump: DumpSession) -> CompileCache | None:
         """The compile cache for this graph's key, with the key and its factors dumped."""
@@ -260,6 +289,9 @@ class KVGraphBackend:
             "key_change": cache and cache.key_change, "factors": factors})
         return cache
 
+
+# How a build's outcome shows in the progress of the piece builds (built ones are untagged).
+_BUILD_TAGS = {"loaded": "from the compile cache", "fallback": "fell back to eager"}
 
 _shared_dumps: dict[str | None, DumpSession] = {}
 

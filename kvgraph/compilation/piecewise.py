@@ -74,15 +74,23 @@ class PiecewiseBackend:
         return self.general(*args)
 
 
+def static_sizes(example_values: Sequence[Any], compile_sizes: Sequence[int],
+                 compiler_name: str) -> tuple[int, ...]:
+    """The sizes a piece gets a static build for: every compile size, when its token count is
+    dynamic and its compiler compiles (an eager "build" is the FX code, the same at any size)."""
+    if compiler_name == "eager" or token_count_reader(example_values) is None:
+        return ()
+    return tuple(compile_sizes)
+
+
 def build_piece(gm, example_values, compile_sizes, compiler, name: str,
                 counters: CompileCounters) -> PiecewiseBackend:
     """Compile `gm` once generally and once per size in `compile_sizes` (when it is dynamic)."""
-    read = token_count_reader(example_values)
     general = compiler.compile(gm, example_values, f"{name}-general")
     static = {}
     # A piece whose general build fell back to its FX code (`gm`) runs that at every size.
-    if read is not None and compiler.name != "eager" and general is not gm:
-        for size in compile_sizes:
+    if general is not gm:
+        for size in static_sizes(example_values, compile_sizes, compiler.name):
             static[size] = compiler.compile(gm, static_inputs(example_values, size), f"{name}-{size}")
     counters.add("unique_pieces")
-    return PiecewiseBackend(general, static, read)
+    return PiecewiseBackend(general, static, token_count_reader(example_values))

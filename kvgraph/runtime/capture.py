@@ -11,7 +11,7 @@ from kvgraph.compilation.debug import DumpSession
 from kvgraph.config import GraphMode
 from kvgraph.forward_context import BatchDescriptor
 from kvgraph.runtime.graphs import GraphSet, graph_key
-from kvgraph.runtime.progress import Progress
+from kvgraph.progress import Progress
 from kvgraph.runtime.rank_agreement import RankAgreement
 
 # The runner's log: capture was part of it, and users (and the tests' guard against silent

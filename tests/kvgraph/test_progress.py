@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import logging
 
-from kvgraph.runtime.progress import Progress
+from kvgraph.progress import Progress
 from tests.support.scenario import CAPTURE_SIZES, make_runner
 
 
@@ -43,3 +43,21 @@ def test_the_capture_summary_counts_descriptors_and_the_graphs_of_their_pieces(c
     pieces = runner.stats()["compile"]["pieces"]
     assert summary["graphs"] == len(CAPTURE_SIZES) * pieces
     assert f"captured {len(CAPTURE_SIZES)} descriptors ({summary['graphs']} graphs" in caplog.text
+
+
+def test_tagged_items_are_counted_on_the_bar_and_in_the_lines(caplog):
+    tags = [None, "from the compile cache", "from the compile cache", "fell back to eager", None]
+    stream = io.StringIO()
+    with caplog.at_level(logging.INFO, logger="kvgraph"):
+        with Progress("piece builds", len(tags), stream, interval=0) as progress:
+            for tag in tags:
+                progress.advance(tag)
+    lines = [r.getMessage() for r in caplog.records if "piece builds" in r.getMessage()]
+    assert lines[1].startswith("kvgraph: 2 of 5 piece builds (1 from the compile cache)")
+    assert "(2 from the compile cache, 1 fell back to eager)" in lines[3]
+
+    terminal = Terminal()
+    with Progress("piece builds", len(tags), terminal) as progress:
+        for tag in tags:
+            progress.advance(tag)
+    assert "2 from the compile cache, 1 fell back to eager" in terminal.getvalue()

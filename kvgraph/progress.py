@@ -1,7 +1,8 @@
 """Progress of a long start-up phase: a bar on a terminal, a log line every few seconds elsewhere.
 
 Log files and pipes get whole lines (never a bar's carriage-return frames), and the count is
-what the phase's summary counts.
+what the phase's summary counts. An item may carry a tag (a piece build "from the compile
+cache"): the bar and the lines say how many of the items so far had each tag.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections import Counter
 from typing import Any, TextIO
 
 logger = logging.getLogger("kvgraph")
@@ -22,6 +24,7 @@ class Progress:
     def __init__(self, what: str, total: int, stream: TextIO | None = None,
                  interval: float = LOG_INTERVAL_S):
         self.what, self.total, self.done = what, total, 0
+        self.tags: Counter[str] = Counter()
         self.interval = interval
         self._start = self._logged = time.perf_counter()
         stream = stream or sys.stderr
@@ -34,17 +37,27 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
 
-    def advance(self) -> None:
-        """One more item done: the bar moves, or a line is logged if `interval` has passed."""
+    def advance(self, tag: str | None = None) -> None:
+        """One more item done (tagged `tag`): the bar moves, or a line is logged if `interval`
+        has passed."""
         self.done += 1
+        if tag:
+            self.tags[tag] += 1
         if self._bar is not None:
+            if tag:
+                self._bar.set_postfix_str(self.tag_counts())
             self._bar.update(1)
             return
         now = time.perf_counter()
         if now - self._logged >= self.interval and self.done < self.total:
             self._logged = now
-            logger.info("kvgraph: %d of %d %s, %.0f s so far", self.done, self.total, self.what,
-                        now - self._start)
+            tags = f" ({self.tag_counts()})" if self.tags else ""
+            logger.info("kvgraph: %d of %d %s%s, %.0f s so far", self.done, self.total,
+                        self.what, tags, now - self._start)
+
+    def tag_counts(self) -> str:
+        """How many items so far had each tag: "3 from the compile cache"."""
+        return ", ".join(f"{count} {tag}" for tag, count in self.tags.items())
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -8,7 +8,8 @@ paged KV cache blocks and sampler) and `kvgraph.ModelRunner`, in the graph mode 
 model as written). The example models'
 weights are random, so their text is noise, but the path is the one a served model takes:
 compile, capture, then replay per batch descriptor. `--model PATH` serves a local Hugging Face
-checkpoint instead.
+checkpoint instead. The flags are checked before anything is built (examples/engine/preflight.py):
+a mistake is one line on stderr and exit status 2.
 
 `--tensor-parallel-size N` shards the model over N ranks: this process is rank 0 and spawns
 the others, broadcasting each step's batch to them (see examples/serve.py). Under torchrun the
@@ -23,21 +24,32 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
+
+if __name__ == "__main__" and sys.stderr.isatty() and not {"-h", "--help"} & set(sys.argv):
+    # Importing torch, Dynamo and kvgraph takes seconds; a person at a terminal hears first.
+    print(f"{Path(sys.argv[0]).name}: starting (importing torch and kvgraph)", file=sys.stderr,
+          flush=True)
 
 from kvgraph.inspect import units
 
 if __package__:
     from .engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
                          build_engine, run_if_worker)
+    from .engine.engine_core import STARTUP_ERRORS
     from .engine.flag_types import float_in, int_in, positive_int
+    from .engine.preflight import preflight
     from .models import MODELS
 else:  # run as `python examples/generate.py`: this folder, not the repo root, is on sys.path
     from engine import (EngineDeadError, LLMEngine, SamplingParams, add_engine_args,
                         build_engine, run_if_worker)
+    from engine.engine_core import STARTUP_ERRORS
     from engine.flag_types import float_in, int_in, positive_int
+    from engine.preflight import preflight
     from models import MODELS
 
+PROG = Path(__file__).name
 PROMPTS = (
     "The quick brown fox",
     "A paged KV cache keeps each sequence in fixed-size blocks, so",
@@ -70,7 +82,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # INFO: start-up says each stage (minutes on a cold compile cache), then the report follows.
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    preflight(args, MODELS, PROG)  # a mistake: one line and exit status 2, before any build
     worker_exit = run_if_worker(args, MODELS)  # under torchrun, ranks > 0 follow rank 0 here
     if worker_exit is not None:
         return worker_exit
@@ -78,7 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"model: the example {args.model!r} ({args.preset} preset) with random weights, so "
               "its text is noise: this demo shows the path, not the words (--model PATH "
               "generates from a local Hugging Face checkpoint)")
-    engine, summary = build_engine(args, MODELS)
+    try:
+        engine, summary = build_engine(args, MODELS)
+    # What only the build finds (weights that do not match the model, a model that does not
+    # compile): one line, as serve.py says it, and exit status 1.
+    except STARTUP_ERRORS as error:
+        print(f"{PROG}: cannot start: {error}", file=sys.stderr)
+        return 1
     try:
         report(engine, summary, args)
     except EngineDeadError as error:  # a tensor-parallel rank died

@@ -7,8 +7,10 @@ a chat template), both streaming over server-sent events with `"stream": true`; 
 /v1/models and /metrics (Prometheus). The engine runs in a process of its own
 (engine/engine_process.py; `--engine-loop thread` keeps it in a thread of this one); handlers
 only send it requests and await their tokens. Needs the `serve` extra (fastapi, uvicorn,
-prometheus-client, safetensors, tokenizers, jinja2). The app itself is
-examples/engine/http_app.py; this file parses the flags, starts the engine and serves.
+prometheus-client, safetensors, tokenizers, jinja2), imported only once the flags are parsed:
+`--help` needs none of it. The app itself is examples/engine/http_app.py; this file parses the
+flags, checks them (examples/engine/preflight.py: a mistake is one line and exit status 2, before
+anything is built), binds the port, starts the engine and serves on that port.
 
 Limits (their values in --help; constants of examples/engine/json_body.py): a request body
 over MAX_BODY_MIB is a 413; one that nests arrays and objects deeper than MAX_JSON_DEPTH
@@ -39,15 +41,21 @@ import argparse
 import logging
 import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-import uvicorn
-from fastapi import FastAPI
+if __name__ == "__main__" and sys.stderr.isatty() and not {"-h", "--help"} & set(sys.argv):
+    # Importing torch, Dynamo and kvgraph takes seconds; a person at a terminal hears first.
+    print(f"{Path(sys.argv[0]).name}: starting (importing torch and kvgraph)", file=sys.stderr,
+          flush=True)
 
 from kvgraph.runtime.platforms.cpu import CPUPlatform
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 if __package__:
     from .engine import AsyncEngine, EngineDeadError, add_engine_args, build_engine, run_if_worker
@@ -55,9 +63,9 @@ if __package__:
     from .engine.engine_core import STARTUP_ERRORS
     from .engine.engine_process import EngineProcess, EngineStartError
     from .engine.flag_types import float_in, port, seconds
-    from .engine.http_app import build_app
     from .engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH
     from .engine.liveness import DEFAULT_STUCK_STEP_S, StepWatch
+    from .engine.preflight import SERVE_PACKAGES, bind, preflight, usage_errors
     from .engine.startup_gc import freeze_startup_objects
     from .engine.termination import DEFAULT_SHUTDOWN_S
     from .engine.tp_launch import torchrun_rendezvous
@@ -68,14 +76,15 @@ else:  # run as `python examples/serve.py`: this folder, not the repo root, is o
     from engine.engine_core import STARTUP_ERRORS
     from engine.engine_process import EngineProcess, EngineStartError
     from engine.flag_types import float_in, port, seconds
-    from engine.http_app import build_app
     from engine.json_body import MAX_BODY_MIB, MAX_JSON_DEPTH
     from engine.liveness import DEFAULT_STUCK_STEP_S, StepWatch
+    from engine.preflight import SERVE_PACKAGES, bind, preflight, usage_errors
     from engine.startup_gc import freeze_startup_objects
     from engine.termination import DEFAULT_SHUTDOWN_S
     from engine.tp_launch import torchrun_rendezvous
     from models import MODELS
 
+PROG = Path(__file__).name
 ENGINE_LOOPS = ("process", "thread")
 LIMITS = (f"limits: request bodies up to {MAX_BODY_MIB} MiB (413 past it); JSON nested up to "
           f"{MAX_JSON_DEPTH} levels; numbers finite, integers within int64, strings valid "
@@ -87,6 +96,8 @@ class BackgroundServer:
     """Serves `app` from a thread on `host` and a free port (tests, benchmarks)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1"):
+        import uvicorn
+
         self.sock = socket.socket()
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
@@ -107,6 +118,15 @@ class BackgroundServer:
         self.server.should_exit = True
         self.thread.join()
         self.sock.close()
+
+
+def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
+    """engine/http_app.py's app over `engine`, imported here: it needs the serve extra."""
+    if __package__:
+        from .engine.http_app import build_app as http_app
+    else:
+        from engine.http_app import build_app as http_app
+    return http_app(engine, model_name)
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -158,9 +178,19 @@ def _terminated(signum: int, frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    preflight(args, MODELS, PROG, SERVE_PACKAGES)  # a mistake: one line and exit status 2
     worker_exit = run_if_worker(args, MODELS)  # under torchrun, ranks > 0 follow rank 0 here
     if worker_exit is not None:
         raise SystemExit(worker_exit)
+    with usage_errors(PROG):  # a port in use is refused now, not once the engine is built
+        listener = bind(args.host, args.port)
+    with listener:
+        run_server(args, listener)
+
+
+def run_server(args: argparse.Namespace, listener: socket.socket) -> None:
+    """Start the engine, then serve on `listener` until shut down; exit 1 if the engine does
+    not start or dies."""
     # uvicorn takes SIGTERM while it serves, shuts down, then raises the signal again: here it
     # (or one during start-up) becomes an exception, so the `finally` below stops the engine
     # and its ranks and the process exits 0, rather than dying of the signal on the spot.
@@ -175,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logger.info("SIGTERM during start-up: not serving")
         return
     try:
-        fatal = serve(engine, args)
+        fatal = serve(engine, args, listener)
     except (KeyboardInterrupt, Terminated):  # uvicorn raises them again once it has shut down
         fatal = None
     finally:
@@ -198,9 +228,12 @@ def start_engine(args: argparse.Namespace) -> AsyncEngine | EngineProcess:
     return AsyncEngine(build_engine(args, MODELS)[0], burst=burst_window(args), step_watch=watch)
 
 
-def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace
-          ) -> EngineDeadError | None:
-    """Serve until shut down, or until the engine dies (then stop at once); why it died."""
+def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace,
+          listener: socket.socket) -> EngineDeadError | None:
+    """Serve on `listener` (bound to --host and --port) until shut down, or until the engine
+    dies (then stop at once); why it died."""
+    import uvicorn
+
     server: uvicorn.Server | None = None
 
     def stop_serving(error: EngineDeadError) -> None:
@@ -210,15 +243,15 @@ def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace
     app = build_app(engine, model_name(args))
     # Past the grace period, requests still in flight are cancelled, then the engine stops
     # (failing any left): a stuck engine or client cannot hold the server up.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="info",
+    port = listener.getsockname()[1]  # --port 0's is the one bound
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="info",
                                            timeout_graceful_shutdown=args.shutdown_timeout))
     # This process's start-up objects too (torch, the tokenizer, the app; the engine process
     # froze its own): one full collection of them took 152 ms, and the requests arriving
     # meanwhile reached the engine one step late (docs/serving.md, "Bursts of requests").
     freeze_startup_objects()
-    logger.info("serving %s on http://%s:%d", model_name(args), args.host, args.port)
-    server.run()
+    logger.info("serving %s on http://%s:%d", model_name(args), args.host, port)
+    server.run(sockets=[listener])
     return engine.fatal_error
 
 

@@ -2,6 +2,7 @@
 
 import argparse
 import gc
+import socket
 
 from examples.engine import add_engine_args, build_engine
 from examples.engine.startup_gc import freeze_startup_objects
@@ -55,12 +56,16 @@ def test_the_server_process_freezes_its_own_start_up_objects_before_serving(monk
     the app) froze nothing: a full collection there held requests back from the engine."""
     from types import SimpleNamespace
 
+    import uvicorn
+
     import examples.serve as serve
 
     frozen_at_run = []
-    monkeypatch.setattr(serve.uvicorn.Server, "run",
-                        lambda server: frozen_at_run.append(gc.get_freeze_count()))
+    monkeypatch.setattr(uvicorn.Server, "run",
+                        lambda server, sockets=None: frozen_at_run.append(gc.get_freeze_count()))
     gc.unfreeze()
     engine = SimpleNamespace(tokenizer=None, on_fatal=None, fatal_error=None)
-    assert serve.serve(engine, serve.parse_args(["--model", "llama", "--preset", "tiny"])) is None
+    with socket.socket() as listener:
+        assert serve.serve(engine, serve.parse_args(["--model", "llama", "--preset", "tiny"]),
+                           listener) is None
     assert frozen_at_run and frozen_at_run[0] > 0

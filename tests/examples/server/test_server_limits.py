@@ -205,13 +205,13 @@ def test_metrics_count_every_response_unhandled_500s_included():
         assert counted(server.url) - before == seen
 
 
-def test_a_checkpoint_without_tokenizer_json_names_the_file(checkpoint, tmp_path, caplog):
+def test_a_checkpoint_without_tokenizer_json_names_the_file(checkpoint, tmp_path, capsys):
     broken = tmp_path / "checkpoint"
     shutil.copytree(checkpoint, broken)
     (broken / "tokenizer.json").unlink()
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(SystemExit) as info:  # found before anything is built: a usage error
         main(["--model", str(broken), "--graph-mode", "eager", "--port", "0"])
-    assert info.value.code == 1
-    (error,) = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-    assert error == f"not serving: checkpoint: {broken / 'tokenizer.json'} is missing (the " \
-        "tokenizer: only Hugging Face fast tokenizers, tokenizer.json, are read)"
+    assert info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"serve.py: error: --model {broken}: tokenizer.json is missing (the tokenizer: only "
+        "Hugging Face fast tokenizers, tokenizer.json, are read)\n")

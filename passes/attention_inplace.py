@@ -8,14 +8,11 @@ called directly on the bases and the copy-backs become self-copies, which are dr
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import operator
 from typing import Collection
 
 import torch
 from torch import fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from passes.op_match import op_name
 
@@ -92,18 +89,3 @@ def _drop_self_copies(graph: fx.Graph) -> None:
         if node.target is torch.ops.aten.copy_.default and node.args[0] is node.args[1]:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-
-
-class InplaceAttentionPass(CustomGraphPass):
-    """`inplace_attention` as an inductor post-grad pass (cache-safe: it has a stable uuid)."""
-
-    def __init__(self, op_names: Collection[str]):
-        self.op_names = tuple(sorted(op_names))
-        self.rewritten = 0
-
-    def __call__(self, graph: fx.Graph) -> None:
-        self.rewritten += inplace_attention(graph, self.op_names)
-
-    def uuid(self) -> str:
-        source = inspect.getsource(inspect.getmodule(InplaceAttentionPass))
-        return hashlib.sha256(f"{self.op_names}\n{source}".encode()).hexdigest()

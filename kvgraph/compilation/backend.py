@@ -30,7 +30,6 @@ from kvgraph.config import CompilationConfig, GraphMode, without_pieces
 from kvgraph.progress import Progress
 from passes import (
     REGISTERED_PASSES,
-    InplaceAttentionPass,
     PassManager,
     SplitGraph,
     split_at_attention,
@@ -204,6 +203,8 @@ class KVGraphBackend:
                  dump: DumpSession) -> Callable:
         config = self.config
         if self._builds_whole_graph:
+            from passes.inductor_pass import InplaceAttentionPass  # imports Dynamo: compile only
+
             patches = dict(config.inductor_options)
             patches["post_grad_custom_post_pass"] = InplaceAttentionPass(config.splitting_ops
                                                                          or ATTENTION_OPS)

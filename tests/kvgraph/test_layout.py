@@ -156,6 +156,16 @@ def test_import_kvgraph_loads_no_backend_or_platform_it_does_not_need():
                                      "'kvgraph.runtime.platforms.base']")
 
 
+def test_import_kvgraph_leaves_dynamo_and_inductor_for_the_first_compile():
+    # Dynamo's import is about a second: the scripts' flag checks and --help do without it.
+    code = ("import sys, kvgraph; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_the_public_api_is_what_its_users_need_and_every_error():
     import kvgraph
     import kvgraph.errors

@@ -1,6 +1,7 @@
-"""The HTML report of a dump: one self-contained page (inline CSS, no scripts, nothing fetched),
-a table per stage, every piece's and build's code collapsible (`<details>`); at most
-MAX_PAGE_BYTES, however much the dump holds."""
+"""The HTML report of a dump: one self-contained page (inline CSS, no scripts, nothing fetched):
+each session's overview first (kvgraph.inspect.html_overview; for several ranks, a row per rank
+above them), then a table per stage, long ones and every piece's and build's code collapsible
+(`<details>`); at most MAX_PAGE_BYTES, however much the dump holds."""
 
 from __future__ import annotations
 
@@ -10,40 +11,49 @@ from pathlib import Path
 import kvgraph.inspect.dump_files as dump_files
 import kvgraph.inspect.units as units
 from kvgraph.inspect.dump_files import MAX_CODE_BYTES
+from kvgraph.inspect.html_overview import OVERVIEW_STYLE, overview_html, rank_row, ranks_head
+from kvgraph.inspect.overview import Overview, overview
 from kvgraph.inspect.sections import session_title, tables
 from kvgraph.inspect.summary import Summary
 from kvgraph.inspect.table import Code, Table
 
 MAX_PAGE_BYTES = 32 * 2**20  # past it, the page's later tables are a note (a browser chokes)
 _CLOSING_BYTES = 4096  # kept for the tags that close the page and the note on where it stopped
+COLLAPSED_ROWS = 25  # a table with more rows is shown collapsed (the warnings never are)
 _STYLE = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
-h2 { border-bottom: 2px solid #888; margin-top: 2em; }
-h3 { margin: 1.6em 0 0.4em; }
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; max-width: 110em; }
+h1 { font-size: 20px; margin: 0 0 0.5em; overflow-wrap: anywhere; }
+h2 { font-size: 17px; border-bottom: 2px solid #888; margin-top: 2em; overflow-wrap: anywhere; }
+h3 { font-size: 15px; margin: 1.6em 0 0.4em; }
 table { border-collapse: collapse; margin: 0.3em 0; }
 th, td { border: 1px solid #ccc; padding: 0.2em 0.5em; text-align: left; vertical-align: top; }
 th { background: #eee; }
 td { font-family: ui-monospace, monospace; font-size: 12px; }
 table.warning td { background: #fff4e0; }
+tr:target td { background: #ffe27a; }
 pre { max-height: 40em; max-width: 100ch; overflow: auto; background: #f7f7f7;
       padding: 0.5em; margin: 0.3em 0; }
 details summary { cursor: pointer; color: #035; }
 p.note { margin: 0.2em 0; color: #555; }
-nav a { margin-right: 0.8em; }
-"""
+nav { margin: 0.4em 0; } nav a, nav b { margin-right: 0.8em; }
+""" + OVERVIEW_STYLE
 
 
 def html_report(summaries: list[Summary]) -> str:
     """The page of every session of one dump (one per rank), in rank order; at most
     MAX_PAGE_BYTES of it, the tables past that left out with a note."""
     title = session_title(summaries[0]) if len(summaries) == 1 else (
-        f"kvgraph debug dump: {summaries[0].directory} and {len(summaries) - 1} more ranks")
+        f"kvgraph debug dump: {summaries[0].directory} and "
+        f"{units.count(len(summaries) - 1, 'more rank')}")
     page = _Page()
     page.open(f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
               f"<title>{escape(title)}</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n"
               f"<h1>{escape(title)}</h1>\n", "</body>\n</html>\n")
-    for number, summary in enumerate(summaries):
-        _session(page, summary, number)
+    views = [overview(summary) for summary in summaries]
+    if len(summaries) > 1:
+        _ranks(page, summaries, views)
+    for number, (summary, view) in enumerate(zip(summaries, views)):
+        _session(page, summary, view, number, titled=len(summaries) > 1)
     if page.full:
         page.close_with(f'<p class="note">note: the page reached its cap of '
                         f"{units.size(MAX_PAGE_BYTES)}: the tables past this point are not "
@@ -96,30 +106,62 @@ class _Page:
         return b"".join(self.parts).decode("utf-8")
 
 
-def _session(page: _Page, summary: Summary, number: int) -> None:
-    made = tables(summary)
-    anchors = [f"s{number}-{index}-{table.stage}" for index, table in enumerate(made)]
-    if not page.open(f'<section class="session">\n<h2>{escape(session_title(summary))}</h2>\n',
-                     "</section>\n"):
+def _ranks(page: _Page, summaries: list[Summary], views: list[Overview]) -> None:
+    """A row per rank, each linking to its section."""
+    if not page.open(ranks_head([fact.label for fact in views[0].facts]), "</tbody>\n</table>\n"):
         return
-    for note in summary.notes:
-        page.add(f'<p class="note">note: {escape(note)}</p>\n')
-    page.add("<nav>" + "".join(f'<a href="#{anchor}">{escape(table.stage)}</a>'
-                               for anchor, table in zip(anchors, made)) + "</nav>\n")
-    for table, anchor in zip(made, anchors):
-        _table(page, table, anchor, summary)
+    for number, (summary, view) in enumerate(zip(summaries, views)):
+        if not page.add(rank_row(summary.rank, view, f"s{number}", _warning_rows(number))):
+            break
     page.close()
 
 
-def _table(page: _Page, table: Table, anchor: str, summary: Summary) -> None:
-    head = "".join(f"<th>{escape(column)}</th>" for column in table.columns)
-    if not page.open(f'<h3 id="{escape(anchor)}">{escape(table.title)}</h3>\n'
-                     f'<table class="{escape(table.stage)}" data-stage="{escape(table.stage)}">'
-                     f"\n<thead><tr>{head}</tr></thead>\n<tbody>\n", "</tbody>\n</table>\n"):
+def _session(page: _Page, summary: Summary, view: Overview, number: int, titled: bool) -> None:
+    """The session's overview, then its tables; `titled`: it has a heading of its own (one
+    session's title is the page's)."""
+    made = tables(summary)
+    anchors = [f"s{number}-{index}-{table.stage}" for index, table in enumerate(made)]
+    links: dict[str, str] = {}  # the first table of each stage, which the overview links to
+    for table, anchor in zip(made, anchors):
+        links.setdefault(table.stage, anchor)
+    title = f"<h2>{escape(session_title(summary))}</h2>\n" if titled else ""
+    if not page.open(f'<section class="session" id="s{number}">\n{title}', "</section>\n"):
         return
-    for row in table.rows:  # one at a time: the page may stop at any of them
-        if not page.add("<tr>" + "".join(f"<td>{_cell(value, summary)}</td>" for value in row)
-                        + "</tr>\n"):
+    page.add(overview_html(view, links, _warning_rows(number)))
+    for note in summary.notes:
+        page.add(f'<p class="note">note: {escape(note)}</p>\n')
+    page.add("<nav><b>Tables:</b> " + "".join(
+        f'<a href="#{anchor}">{escape(table.stage)}</a>' for anchor, table in zip(anchors, made))
+        + "</nav>\n")
+    for table, anchor in zip(made, anchors):
+        _table(page, table, anchor, summary,
+               _warning_rows(number) if table.stage == "warning" else None)
+    page.close()
+
+
+def _warning_rows(number: int) -> str:
+    """The anchor of each row of session `number`'s warnings table, "{}" its row's number (the
+    overview links to them)."""
+    return f"s{number}-warning-{{}}"
+
+
+def _table(page: _Page, table: Table, anchor: str, summary: Summary,
+           row_anchors: str | None) -> None:
+    """The table with its notes; with `row_anchors`, each row has that anchor ("{}" its
+    number)."""
+    head = "".join(f"<th>{escape(column)}</th>" for column in table.columns)
+    collapsed = len(table.rows) > COLLAPSED_ROWS and table.stage != "warning"
+    opening = f"<details><summary>{len(table.rows)} rows</summary>\n" if collapsed else ""
+    if not page.open(f'<h3 id="{escape(anchor)}">{escape(table.title)}</h3>\n{opening}'
+                     f'<table class="{escape(table.stage)}" data-stage="{escape(table.stage)}">'
+                     f"\n<thead><tr>{head}</tr></thead>\n<tbody>\n",
+                     "</tbody>\n</table>\n" + ("</details>\n" if collapsed else "")):
+        return
+    ids = [f' id="{escape(row_anchors.format(number))}"' if row_anchors else ""
+           for number in range(len(table.rows))]
+    for row, row_id in zip(table.rows, ids):  # one at a time: the page may stop at any of them
+        if not page.add(f"<tr{row_id}>" + "".join(f"<td>{_cell(value, summary)}</td>"
+                                                  for value in row) + "</tr>\n"):
             break
     page.close()
     notes = [escape(note) for note in table.notes] or ([] if table.rows else ["none"])

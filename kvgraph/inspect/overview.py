@@ -18,6 +18,7 @@ from typing import Any
 import kvgraph.inspect.dump_files as dump_files
 import kvgraph.inspect.units as units
 from kvgraph.inspect.dump_reader import EVENTS
+from kvgraph.inspect.fields import NUMBER
 from kvgraph.inspect.summary import Finding, Summary, TimeShare
 
 OK, WARN, BAD, NEUTRAL = "ok", "warn", "bad", "neutral"
@@ -141,7 +142,7 @@ def _captured(summary: Summary) -> Fact:
     if not summary.captures:
         return Fact("Captured", "nothing", "capture() was not called", NEUTRAL, None)
     failed = sum(1 for row in rows if row.get("error"))
-    graphs = sum(row.get("graphs") for row in rows if _is_count(row.get("graphs")))
+    graphs = sum(row.get("graphs") for row in rows if NUMBER.accepts(row.get("graphs")))
     held = summary.captures[-1].get("bytes")  # the runner's graphs, after its last capture()
     detail = f"{units.count(graphs, 'graph')}, {units.size(held)}; " + (
         f"{failed} failed" if failed else "none failed")
@@ -184,7 +185,7 @@ def _verify(summary: Summary) -> Fact:
     if not isinstance(verify, dict) or verify.get("enabled") is False:
         return Fact("Verify", "not run", "verify was off: verify=True checks graph steps "
                     "against eager", NEUTRAL, "verify" if isinstance(verify, dict) else None)
-    checks = verify.get("checks") if _is_count(verify.get("checks")) else None
+    checks = verify.get("checks") if NUMBER.accepts(verify.get("checks")) else None
     records = verify.get("descriptors") if isinstance(verify.get("descriptors"), dict) else {}
     failing = [key for key, record in records.items() if isinstance(record, dict) and (
         record.get("passed") is False or (record.get("failures") or 0) > 0)]
@@ -215,13 +216,3 @@ def _time(summary: Summary) -> Fact:
 def _importance(finding: Finding) -> int:
     return next((rank for rank, word in enumerate(_IMPORTANCE) if word in finding.message),
                 len(_IMPORTANCE))
-
-
-def _is_count(value: Any) -> bool:
-    """A finite number (a dump may hold a bool, text, or an int too large for a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False

@@ -145,25 +145,26 @@ def test_no_module_is_longer_than_one_can_read(package):
                       + "\n".join(long))
 
 
-def test_import_kvgraph_loads_no_backend_or_platform_it_does_not_need():
-    code = ("import sys, kvgraph; print(sorted(m for m in sys.modules if m.startswith("
-            "('kvgraph.runtime.platforms.', 'kvgraph.attention.backends.', 'torch_npu'))))")
+def modules_import_kvgraph_loads(*prefixes: str) -> list[str]:
+    """The modules named by `prefixes` that `import kvgraph` loads in a fresh process."""
+    code = (f"import sys, kvgraph; print(sorted(m for m in sys.modules if m.startswith("
+            f"{prefixes!r})))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+    return ast.literal_eval(result.stdout.strip())
+
+
+def test_import_kvgraph_loads_no_backend_or_platform_it_does_not_need():
     # The two interfaces only: no backend's kernels, no platform (torch_npu, CUDA graphs).
-    assert result.stdout.strip() == ("['kvgraph.attention.backends.base', "
-                                     "'kvgraph.runtime.platforms.base']")
+    assert modules_import_kvgraph_loads(
+        "kvgraph.runtime.platforms.", "kvgraph.attention.backends.", "torch_npu") == [
+        "kvgraph.attention.backends.base", "kvgraph.runtime.platforms.base"]
 
 
 def test_import_kvgraph_leaves_dynamo_and_inductor_for_the_first_compile():
     # Dynamo's import is about a second: the scripts' flag checks and --help do without it.
-    code = ("import sys, kvgraph; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') "
-            "if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    assert modules_import_kvgraph_loads("torch._dynamo", "torch._inductor") == []
 
 
 def test_the_public_api_is_what_its_users_need_and_every_error():

@@ -32,6 +32,12 @@ import kvgraph
 from .errors import EngineDeadError
 from .step_channel import STEP, STOP, StepChannel
 
+# How long rank 0 waits for a worker's exit status once a socket to it closed: the socket closes
+# as the worker dies, and its exit status comes after Python's teardown, which took over 2 s on
+# a loaded 2-core VM (rank 0 then reported the closed socket without naming the rank). Only a
+# failure waits, and only while no worker has exited.
+EXIT_STATUS_WAIT_S = 15.0
+
 logger = logging.getLogger(__name__)
 
 # How much of a peer's error message goes into a RankFailed's.
@@ -157,8 +163,7 @@ class TensorParallelRunner:
     def _fail(self, what: str) -> RankFailed:
         """The fatal error to raise (kept: every later step raises it too), naming the dead
         rank when one of the spawned ones is dead."""
-        # The peer's socket closes as it dies, a moment before its exit status is there.
-        dead = self.workers.first_dead(wait_s=2.0) if self.workers else None
+        dead = self.workers.first_dead(wait_s=EXIT_STATUS_WAIT_S) if self.workers else None
         if dead is not None:
             rank, code = dead
             message = (f"tensor-parallel rank {rank} (pid {self.workers.pids[rank]}) died, "

@@ -36,7 +36,8 @@ from .tp_launch import (
     torchrun_rendezvous,
 )
 from .step_channel import StepChannel
-from .tp_runner import RankFailed, TensorParallelRunner, brief, exit_description, follow_steps
+from .tp_runner import (EXIT_STATUS_WAIT_S, RankFailed, TensorParallelRunner, brief,
+                        exit_description, follow_steps)
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +196,7 @@ def _dead_worker(workers: WorkerProcesses | None, error: BaseException) -> RankF
         return error
     if workers is None or not isinstance(error, Exception) or isinstance(error, SHARED_ERRORS):
         return None
-    dead = workers.first_dead(wait_s=2.0)
+    dead = workers.first_dead(wait_s=EXIT_STATUS_WAIT_S)
     if dead is None:
         return None
     rank, code = dead

@@ -3,8 +3,8 @@
 `serving(model, mode)` runs examples/serve.py's server for `model` (a preset name or checkpoint
 dir) on 127.0.0.1 until the block ends; `request_body(i)` is the i-th of a fixed mix of
 completion requests, `complete`/`complete_all` send them (streamed or not) and return what the
-client got; `stream_text` streams one; `metric` reads /metrics, and `wait_for_free_blocks`
-waits until /health says no request holds a KV block.
+client got; `stream_text` streams one; `metric` reads /metrics (`wait_for_metric` until it
+reaches a value), and `wait_for_free_blocks` waits until /health says no request holds a KV block.
 
 It needs the server's packages (the test extra): a test module that imports it without them is
 skipped, as the server tests are.
@@ -82,6 +82,15 @@ def metric(url: str, name: str, labels: str = "") -> float:
     text = httpx.get(f"{url}/metrics").text
     match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
+
+
+def wait_for_metric(url: str, name: str, value: float) -> None:
+    """Wait until /metrics says `name` is `value`: what the server does after a client has gone
+    (a loaded machine may be seconds late, a minute fails the test)."""
+    deadline = time.monotonic() + 60
+    while (got := metric(url, name)) != value:
+        assert time.monotonic() < deadline, f"{name} stayed {got}, never {value}"
+        time.sleep(0.05)
 
 
 def wait_for_free_blocks(url: str) -> dict:

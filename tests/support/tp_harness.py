@@ -79,6 +79,11 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, store_path: s
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         store = dist.FileStore(store_path, world_size)
+        # Every rank has started before the group's timeout counts: a test may give the group a
+        # few seconds, and on a loaded machine one rank's start-up (importing torch) can lag
+        # the other's by seconds. The store's own wait is 5 minutes, as `deadline_s`.
+        store.set(f"started/{rank}", "1")
+        store.wait([f"started/{peer}" for peer in range(world_size)])
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
         tp.init_tensor_parallel(timeout_s=timeout_s)

@@ -1,9 +1,10 @@
 """The burst window: an idle serving loop takes a burst of requests into its first step.
 
-The window itself against scripted arrivals (what it takes, when it stops); then both serving
-loops (the engine process's `EngineCore`, over a real pipe, and the in-process `AsyncEngine`)
-with a tiny eager engine: two requests sent 20 ms apart into an idle engine run in one step
-with the window and in two without it, a full batch or a stop ends the wait at once.
+The window itself against scripted arrivals on a clock of the test's own (what it takes, when
+it stops); then both serving loops (the engine process's `EngineCore`, over a real pipe, and the
+in-process `AsyncEngine`) with a tiny eager engine: two requests sent 20 ms apart into an idle
+engine run in one step with the window and in two without it, a full batch or a stop ends the
+wait at once.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import pytest
 
 from examples.engine import AsyncEngine, SamplingParams, build_engine
+from examples.engine import burst_window as burst_window_module
 from examples.engine.burst_window import MAX_GAP_MS, MAX_GAPS, BurstWindow, burst_window
 from examples.engine.engine_core import ADD, OUTPUTS, STOP, STOPPED, EngineCore
 from examples.serve import MODELS, parse_args
@@ -27,46 +29,68 @@ ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 MAX_NUM_SEQS = 4
 
 
-def arrivals(delays: list[float]):
-    """A `receive` that delivers message i after delays[i] seconds, or None at its timeout."""
-    pending = list(enumerate(delays))
+class Arrivals:
+    """Scripted arrivals on a clock of their own: message i comes delays[i] seconds after the
+    one before it. `receive(timeout)` moves the clock on to that arrival, or by `timeout` (and
+    returns None) when it comes later; `monotonic` reads the clock. Installed as the window's
+    clock (`scripted`), the window is tested on its own arithmetic: a loaded machine's late
+    wake-ups cannot close it early."""
 
-    def receive(timeout: float):
-        if not pending:
-            time.sleep(timeout)
+    def __init__(self, delays: list[float]):
+        self.now = 0.0
+        self._pending = list(enumerate(delays))
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def receive(self, timeout: float):
+        if not self._pending:
+            self.now += timeout
             return None
-        i, delay = pending[0]
+        i, delay = self._pending[0]
         if delay > timeout:
-            time.sleep(timeout)
-            pending[0] = (i, delay - timeout)
+            self.now += timeout
+            self._pending[0] = (i, delay - timeout)
             return None
-        time.sleep(delay)
-        pending.pop(0)
+        self.now += delay
+        self._pending.pop(0)
         return i
 
-    return receive
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """`scripted(delays)`: Arrivals whose clock the burst window reads (its module's `time`)."""
+    def install(delays: list[float]) -> Arrivals:
+        clock = Arrivals(delays)
+        monkeypatch.setattr(burst_window_module, "time", clock)
+        return clock
+
+    return install
 
 
-def test_the_window_takes_arrivals_within_the_gap_and_stops_at_the_first_silence():
+def test_the_window_takes_arrivals_within_the_gap_and_stops_at_the_first_silence(scripted):
     window = BurstWindow(gap_s=0.05)
-    assert list(window.gather(arrivals([0.001, 0.01, 0.2, 0.001]), full=lambda: False)) == [0, 1]
+    clock = scripted([0.001, 0.01, 0.2, 0.001])
+    assert list(window.gather(clock.receive, full=lambda: False)) == [0, 1]
+    assert clock.now == pytest.approx(0.011 + 0.05)  # one gap of silence after the last
 
 
-def test_the_window_ends_after_max_gaps_even_while_arrivals_keep_coming():
-    window = BurstWindow(gap_s=0.02)
-    start = time.monotonic()
-    taken = list(window.gather(arrivals([0.005] * 100), full=lambda: False))
-    elapsed = time.monotonic() - start
-    assert elapsed < MAX_GAPS * 0.02 + 0.05
-    assert 1 <= len(taken) <= MAX_GAPS * 4
+def test_the_window_ends_after_max_gaps_even_while_arrivals_keep_coming(scripted):
+    # Powers of two: the clock's sums are exact, so the window's end is too.
+    window = BurstWindow(gap_s=0.5)
+    clock = scripted([0.125] * 100)
+    taken = list(window.gather(clock.receive, full=lambda: False))
+    assert clock.now == MAX_GAPS * 0.5
+    assert taken == list(range(int(MAX_GAPS * 0.5 / 0.125)))
 
 
-def test_the_window_ends_when_the_engine_is_full_and_a_zero_gap_waits_for_nothing():
+def test_the_window_ends_when_the_engine_is_full_and_a_zero_gap_waits_for_nothing(scripted):
     taken: list[int] = []
     window = BurstWindow(gap_s=1.0)
-    for message in window.gather(arrivals([0.0] * 10), full=lambda: len(taken) >= 3):
+    clock = scripted([0.0] * 10)
+    for message in window.gather(clock.receive, full=lambda: len(taken) >= 3):
         taken.append(message)
-    assert taken == [0, 1, 2]
+    assert taken == [0, 1, 2] and clock.now == 0.0
 
     def never(timeout: float):
         raise AssertionError("a zero gap must not receive")

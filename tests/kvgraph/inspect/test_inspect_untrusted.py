@@ -14,7 +14,6 @@ import resource
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[3]
 DEEP = 3000  # levels of nesting that once ended in RecursionError
 SPARSE_BYTES = 2 * 2**30  # a huge file that costs nothing to make: a sparse one
 SECRET = "root:x:0:0"  # what /etc/passwd starts with; it must never reach a report
-FAST_SECONDS = 60  # what "finishes quickly" allows on two shared cores (a run takes ~5 s)
+# A run of the command that takes longer has hung (it reads far past a cap): a run takes ~5 s,
+# ~12 s on two cores shared with three CPU hogs. How fast it is is no test's business.
+HANG_GUARD_S = 60
 # The private writable memory the command may use (RLIMIT_DATA: heap and anonymous mappings,
 # not the address space, which CUDA builds of torch reserve by the tens of GiB).
 MEMORY_LIMIT = 3 * 2**30
@@ -128,7 +129,7 @@ def inspect_command(*args: str) -> subprocess.CompletedProcess:
         resource.setrlimit(resource.RLIMIT_DATA, (MEMORY_LIMIT, MEMORY_LIMIT))
 
     return subprocess.run([sys.executable, "-m", "kvgraph.inspect", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=FAST_SECONDS,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S,
                           preexec_fn=limit_memory)
 
 
@@ -305,16 +306,14 @@ def test_an_events_file_that_leads_outside_is_refused(tmp_path):
     assert "events.jsonl is outside the dump; not read" in result.stderr
 
 
-def test_a_2_gib_events_file_is_read_up_to_its_cap_quickly(tmp_path):
+def test_a_2_gib_events_file_is_read_up_to_its_cap(tmp_path):
     from kvgraph.inspect.dump_files import MAX_EVENTS_BYTES
     from kvgraph.inspect.units import size
 
     dump = write_dump(tmp_path / "dump")
     with open(dump / "events.jsonl", "r+b") as events:
         events.truncate(SPARSE_BYTES)  # the good events, then 2 GiB of zeros
-    start = time.perf_counter()
     text, _ = inspect_html(dump)
-    assert time.perf_counter() - start < FAST_SECONDS
     assert (f"note: events.jsonl is larger than {size(MAX_EVENTS_BYTES)}; only its first "
             f"{size(MAX_EVENTS_BYTES)} were read") in text
     assert "## Pieces" in text
@@ -328,9 +327,7 @@ def test_huge_report_and_code_files_are_capped_with_a_note(tmp_path):
     for name in ("stats.json", CODE):
         with open(dump / name, "r+b") as file:
             file.truncate(SPARSE_BYTES)
-    start = time.perf_counter()
     text, page = inspect_html(dump)
-    assert time.perf_counter() - start < FAST_SECONDS
     assert f"note: stats.json is larger than {size(MAX_REPORT_BYTES)}; not read" in text
     assert f"shown truncated: the file is larger than {size(MAX_CODE_BYTES)}" in page
     assert len(page.encode()) < 2 * MAX_CODE_BYTES

@@ -31,7 +31,7 @@ class StartupStages:
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.seconds[name] = time.perf_counter() - start
 
 
 def stage_times(seconds: dict[str, float]) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
@@ -19,6 +20,21 @@ if TYPE_CHECKING:
 # the layer), its inputs and its output. See ForwardContext.probe.
 AttentionProbe = Callable[[str, "list[torch.Tensor]", "tuple[torch.Tensor, ...]", "torch.Tensor"],
                           None]
+
+
+class KVLayerHooks(Protocol):
+    """A KV connector's per-layer calls, as an attention op reaches them through the context.
+
+    kvgraph.kv_transfer's LayerHooks is the one implementation (it names the layer from its
+    cache and calls the connector); typed here so the context, which every layer reads, does
+    not name the transfer code above it.
+    """
+
+    def before_attention(self, kv_cache: list[torch.Tensor]) -> None:
+        """Before a layer's op reads its cache: wait for that layer's load."""
+
+    def after_attention(self, kv_cache: list[torch.Tensor], attn_metadata: Any) -> None:
+        """After a layer's op wrote its cache: hand the layer to the connector to save."""
 
 
 class StepGraphs(Protocol):
@@ -65,6 +81,8 @@ class ForwardContext:
     just run; without `graphs` every wrapper just runs. `probe`, when set, is called by every
     attention op after it ran (see AttentionProbe): how verify mode finds the first layer
     where two runs of one batch part. It costs one attribute check per op when unset.
+    `kv_hooks`, when set, are a layer-by-layer KV connector's (see KVLayerHooks): each op that
+    writes a cache calls them before and after it runs; unset, they cost one check per op.
     """
 
     attn_metadata: AttentionMetadata | None
@@ -73,6 +91,7 @@ class ForwardContext:
     runtime_mode: GraphMode | None = None
     graphs: StepGraphs | None = None
     probe: AttentionProbe | None = None
+    kv_hooks: KVLayerHooks | None = None
 
 
 _current: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar(
@@ -88,16 +107,32 @@ def set_forward_context(
     runtime_mode: GraphMode | None = None,
     graphs: StepGraphs | None = None,
     probe: AttentionProbe | None = None,
+    kv_hooks: KVLayerHooks | None = None,
 ) -> Iterator[ForwardContext]:
     """Make `attn_metadata` visible to every attention op called inside the block.
 
     Contexts nest: leaving an inner one restores the outer one, also on an exception.
     """
     context = ForwardContext(attn_metadata, batch_descriptor, attn_backend, runtime_mode, graphs,
-                             probe)
+                             probe, kv_hooks)
     token = _current.set(context)
     try:
         yield context
+    finally:
+        _current.reset(token)
+
+
+@contextlib.contextmanager
+def kv_hooks_suspended() -> Iterator[None]:
+    """Inside the block, attention ops call no KV connector hooks: what a replayed device graph
+    does, as no Python runs in it. The CPU graph replays under this to keep that contract."""
+    context = _current.get()
+    if context is None or context.kv_hooks is None:
+        yield
+        return
+    token = _current.set(dataclasses.replace(context, kv_hooks=None))
+    try:
+        yield
     finally:
         _current.reset(token)
 

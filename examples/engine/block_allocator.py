@@ -10,30 +10,14 @@ A freed block with a hash stays cached, and reusable, until an allocation needs 
 from __future__ import annotations
 
 import collections
-import hashlib
-from array import array
 from typing import Iterable, Sequence
 
-# A chain hash: a digest, not Python's `hash`, whose collisions (hash(-1) == hash(-2)) are easy
-# to make, and would hand one prompt another prompt's keys and values.
-BlockHash = bytes
+from kvgraph.kv_transfer.block_hashes import BlockHash
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks of `block_size` slots hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
-
-
-def chain_hashes(token_ids: Sequence[int], block_size: int,
-                 known: Sequence[BlockHash] = ()) -> list[BlockHash]:
-    """The chain hash of every full block of `token_ids`; `known` are its first ones, computed."""
-    hashes = list(known)
-    parent = hashes[-1] if hashes else b""
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        tokens = array("q", token_ids[start:start + block_size]).tobytes()
-        parent = hashlib.sha256(parent + tokens).digest()
-        hashes.append(parent)
-    return hashes
 
 
 class BlockAllocator:

@@ -20,10 +20,12 @@ from typing import Any, Sequence
 import torch
 
 import kvgraph
+from kvgraph.kv_transfer import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
 
 from .block_allocator import BlockAllocator, blocks_for
 from .detokenizer import Detokenizer
 from .errors import EngineDeadError, RequestError
+from .external_kv import ExternalKV, merged
 from .logprobs import TokenLogprobs, batch_logprobs, prompt_logprobs
 from .request import Completion, FinishReason, Request, RequestOutput
 from .request_checks import check_request
@@ -34,17 +36,21 @@ from .scheduler import ScheduledChunk, Scheduler
 logger = logging.getLogger(__name__)
 # A sampled token, or the error sampling it raised.
 Sampled = int | Exception
+# Seconds a step with nothing to run waits, while requests wait for their KV blocks to load.
+KV_WAIT_S = 0.002
 
 
 class LLMEngine:
     """Continuous batching over one `ModelRunner` and one tokenizer; `seed` seeds sampling.
 
     Requests share the cached KV blocks of a common prompt prefix (prefix caching) unless
-    `enable_prefix_caching` is False.
+    `enable_prefix_caching` is False. `kv_connector`: the scheduler side of the KV connector
+    whose worker side the runner was built with (see external_kv.py).
     """
 
     def __init__(self, runner: kvgraph.ModelRunner, tokenizer: Any, seed: int = 0,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True,
+                 kv_connector: KVConnectorBase | None = None):
         limits = runner.limits
         needed = blocks_for(limits.max_model_len, limits.block_size)
         if limits.num_blocks < needed:
@@ -55,8 +61,13 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.allocator = BlockAllocator(limits.num_blocks, enable_prefix_caching)
+        if kv_connector is not None and getattr(runner, "kv_connector", None) is None:
+            raise ValueError("a KV connector's scheduler side needs a runner built with its "
+                             "worker side (ModelRunner(kv_connector=...))")
+        self.external = kv_connector and ExternalKV(kv_connector, self.allocator,
+                                                    limits.block_size)
         self.scheduler = Scheduler(self.allocator, limits.block_size, limits.max_num_seqs,
-                                   limits.max_num_tokens)
+                                   limits.max_num_tokens, self.external)
         self.sampler = Sampler(runner.device, seed)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -64,6 +75,7 @@ class LLMEngine:
         self.num_aborted = 0
         self.num_failed = 0
         self.num_step_retries = 0
+        self._kv_report = KVConnectorOutput()  # the KV connector's report of the last step
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a request that could never run; safe from any thread."""
@@ -117,17 +129,28 @@ class LLMEngine:
         raised: the engine cannot go on.
         """
         schedule = self.scheduler.schedule()
+        metadata = self.external.metadata(schedule.chunks) if self.external else None
         if not schedule.chunks:
+            if self.external is not None:  # drive the loads requests wait for, then wait a bit
+                self._kv_report = self.runner.kv_connector.transfer(metadata)
+                self.scheduler.apply_kv_report(self._kv_report)
+                time.sleep(KV_WAIT_S)
             return []
-        ran, outputs = self._forward(schedule.chunks)
+        self._kv_report = KVConnectorOutput()
+        ran, outputs = self._forward(schedule.chunks, metadata)
         self.num_steps += 1
         rows, ready = [], []
         for chunk, row in ran:
+            if self.external and self.external.rolled_back(chunk.request,
+                                                           self._kv_report.invalid_block_ids):
+                continue  # its loaded blocks failed: it computes them from the next step
             chunk.request.num_computed_tokens += chunk.num_tokens
             # A prefill chunk that stops short of the prompt's end has no next token to sample.
             if chunk.request.num_uncomputed_tokens == 0:
                 rows.append(row)
                 ready.append(chunk.request)
+        if self.external is not None:
+            self.scheduler.apply_kv_report(self._kv_report)
         if ready:
             now = time.perf_counter()
             logits = torch.stack(rows)
@@ -144,11 +167,14 @@ class LLMEngine:
               for r, t in zip(requests, tokens)]
         return batch_logprobs(logits, [0 if isinstance(t, Exception) else t for t in tokens], ks)
 
-    def _forward(self, chunks: list[ScheduledChunk]
+    def _forward(self, chunks: list[ScheduledChunk], metadata: KVConnectorMetadata | None = None
                  ) -> tuple[list[tuple[ScheduledChunk, torch.Tensor]], list[RequestOutput]]:
-        """Each chunk that ran, with its logits row; the outputs of the requests that failed."""
+        """Each chunk that ran, with its logits row; the outputs of the requests that failed.
+
+        Retries run without the KV connector's metadata: its loads ran before the batch's
+        forward, and the saves of a step that failed are not worth making."""
         try:
-            return list(zip(chunks, self._execute(chunks))), []
+            return list(zip(chunks, self._execute(chunks, metadata))), []
         except EngineDeadError:
             raise  # no request's fault, and no retry can help
         except kvgraph.VerifyError as error:
@@ -175,10 +201,18 @@ class LLMEngine:
                 "each alone: it is broken, not one request")
         return ran, [self._fail(request, what, error) for request, error in failed]
 
-    def _execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+    def _execute(self, chunks: list[ScheduledChunk], metadata: KVConnectorMetadata | None = None
+                 ) -> torch.Tensor:
         """The model step of `chunks`: their logits, one row each (and the prompt logprobs of
         the requests that asked, from the step's hidden states)."""
-        logits = self.runner.execute([c.request.chunk(c.num_tokens) for c in chunks])
+        batch = [c.request.chunk(c.num_tokens) for c in chunks]
+        if self.external is None:
+            logits = self.runner.execute(batch)
+        else:
+            try:
+                logits = self.runner.execute(batch, metadata)
+            finally:  # a failed step's report counts too: it may say loads are done
+                self._kv_report = merged(self._kv_report, self.runner.kv_connector.output)
         if any(c.request.params.prompt_logprobs is not None for c in chunks):
             prompt_logprobs(self.runner.hidden_states, self.runner.model.compute_logits,
                             [(c.request, c.request.num_computed_tokens, c.num_tokens)
@@ -235,6 +269,7 @@ class LLMEngine:
             itl=None if first else now - request.last_token_time, logprobs=logprobs,
             prompt_logprobs=(tuple(request.prompt_logprobs)
                              if first and request.params.prompt_logprobs is not None else None),
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
         request.last_token_time = now
         return output
@@ -277,6 +312,7 @@ class LLMEngine:
             "kv_blocks_total": self.allocator.num_blocks,
             "kv_blocks_free": self.allocator.num_free,
             **self.scheduler.stats(),
+            **(self.external.stats() if self.external else {}),
             "steps": self.num_steps,
             "runner": self.runner.stats(),
         }

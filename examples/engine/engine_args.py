@@ -28,11 +28,13 @@ import kvgraph
 from kvgraph.attention.metadata import MAX_SEQ_LEN
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 from kvgraph.inspect import units
+from kvgraph.kv_transfer import KVConnectorBase, KVConnectorRole
 from kvgraph.runtime.platforms import get_platform
 
 from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
+from .kv_transfer_args import add_kv_transfer_args, kv_connector
 from .startup_gc import freeze_startup_objects
 from .startup_stages import StartupStages, stage_times
 from .tokenizer import ByteTokenizer
@@ -96,6 +98,7 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
+    add_kv_transfer_args(group)
     group.add_argument("--seed", type=int_in(0, MAX_SEED, "torch's generators take int64"),
                        default=0, help="seeds random weights and sampling")
     group.add_argument("--threads", type=compute_threads, metavar="N",
@@ -204,16 +207,18 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
 
-    def build_runner(num_blocks: int) -> kvgraph.ModelRunner:
+    def build_runner(num_blocks: int, connector: KVConnectorBase | None = None
+                     ) -> kvgraph.ModelRunner:
         return kvgraph.ModelRunner(
             model, config, num_blocks=num_blocks, block_size=args.block_size,
             max_num_seqs=args.max_num_seqs, device=device, max_model_len=max_model_len,
-            attn_backend=args.attention_backend)
+            attn_backend=args.attention_backend, kv_connector=connector)
 
     with stages.stage("size KV cache", "sizing the KV cache"):
         sizing = _agreed(choose_num_blocks(args, model, DTYPES[args.dtype],
                                            config.max_num_tokens, max_model_len, build_runner), tp)
-        runner = build_runner(sizing.num_blocks)
+        runner = build_runner(sizing.num_blocks, kv_connector(
+            args, models, KVConnectorRole.WORKER, args.block_size))
     # A compile error raises here, before serving.
     with stages.stage("compile", f"compiling ({config.graph_mode.value} graph mode, "
                       f"{config.piece_compiler} pieces): Dynamo traces the model, then each "
@@ -254,13 +259,18 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
     """
     start = time.perf_counter()
     world_size = tensor_parallel_size(args.tensor_parallel_size)
+    if world_size > 1 and getattr(args, "kv_transfer_config", None) is not None:
+        raise NotImplementedError("--kv-transfer-config with --tensor-parallel-size > 1: KV "
+                                  "connectors run on one rank for now")
     if world_size == 1:
         built = build_rank(args, models, args.device)
         runner = built.runner
     else:
         built, runner = start_rank_zero(world_size, args.device, args.distributed_timeout,
                                         functools.partial(build_rank, args, models))
-    engine = LLMEngine(runner, built.tokenizer, args.seed, args.enable_prefix_caching)
+    engine = LLMEngine(runner, built.tokenizer, args.seed, args.enable_prefix_caching,
+                       kv_connector(args, models, KVConnectorRole.SCHEDULER,
+                                    runner.limits.block_size))
     capture = built.capture
     summary = {"graph_mode": runner.config.graph_mode.value,
                "descriptors": capture["descriptors"], "graphs": capture["graphs"],

@@ -92,6 +92,7 @@ async def collect(outputs: Tagged, num_choices: int, fmt: ResponseFormat, prompt
             choice.text += output.text
             choice.logprobs = [*(choice.logprobs or ()), *(logprobs_of(output) or ())] or None
             choice.finish_reason, choice.num_tokens = output.finish_reason, output.num_output_tokens
+            choice.num_cached_tokens = output.num_cached_tokens
             if not output.finish_reason and await http.is_disconnected():
                 await outputs.aclose()
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
@@ -103,21 +104,25 @@ async def collect(outputs: Tagged, num_choices: int, fmt: ResponseFormat, prompt
 async def events(outputs: Tagged, fmt: ResponseFormat, metrics: ServerMetrics,
                  usage_prompt_tokens: int | None) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token of any choice, then (when `usage_prompt_tokens`
-    is given, for `stream_options.include_usage`) a chunk with the token counts, then `[DONE]`.
+    is given, for `stream_options.include_usage`) a chunk with the token counts (the prompt's
+    cached ones too), then `[DONE]`.
 
     A failure after the first token can only be told in the stream, as an error event. A
     client that disconnects ends this generator; closing `outputs` then aborts the requests in
     the engine, which frees their blocks before the next step.
     """
     generated: dict[int, int] = {}
+    cached = 0  # the first choice's, as in a whole answer (ResponseFormat.response)
     try:
         async for index, output in outputs:
             metrics.observe(output)
             chunk = fmt.chunk(index, output.text, output.finish_reason, logprobs_of(output))
             yield f"data: {json.dumps(chunk)}\n\n"
             generated[index] = output.num_output_tokens
+            if index == 0:
+                cached = output.num_cached_tokens
         if usage_prompt_tokens is not None:
-            usage = fmt.usage_chunk(usage_prompt_tokens, sum(generated.values()))
+            usage = fmt.usage_chunk(usage_prompt_tokens, sum(generated.values()), cached)
             yield f"data: {json.dumps(usage)}\n\n"
     except RequestFailed as error:
         yield f"data: {json.dumps(error_body(str(error), None, 'server_error'))}\n\n"

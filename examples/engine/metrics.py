@@ -110,6 +110,25 @@ class EngineCollector(Collector):
         yield _gauge("kvgraph_graph_bytes", "Memory the captured graphs hold",
                      runner["graphs"]["graph_bytes"])
         yield from _verify_metrics(runner.get("verify") or {})
+        yield from _kv_connector_metrics(stats, runner.get("kv_connector") or {})
+
+
+def _kv_connector_metrics(stats: dict[str, Any], worker: dict[str, Any]) -> Iterator[Any]:
+    """The KV connector's counts (all zero without `--kv-transfer-config`): the scheduler's,
+    which any connector has, and the shared-storage connector's own saves and store."""
+    yield _counter("kvgraph_kv_connector_loaded_tokens", "Prompt tokens a KV connector "
+                   "supplied instead of prefill (failed loads taken off)",
+                   stats.get("kv_connector_loaded_tokens", 0))
+    yield _counter("kvgraph_kv_connector_failed_blocks", "KV blocks a connector failed to load "
+                   "(their tokens computed instead)", stats.get("kv_connector_failed_blocks", 0))
+    yield _gauge("kvgraph_kv_connector_requests_waiting", "Requests waiting for their KV blocks "
+                 "to load", stats.get("kv_connector_waiting_for_load", 0))
+    yield _counter("kvgraph_kv_connector_saved_tokens", "Prompt tokens a KV connector saved "
+                   "for later loads", worker.get("saved_tokens", 0))
+    yield _counter("kvgraph_kv_connector_save_failures", "KV blocks a connector failed to save",
+                   worker.get("save_failures", 0))
+    yield _gauge("kvgraph_kv_connector_store_bytes", "Bytes of KV blocks in a connector's store",
+                 worker.get("store_bytes", 0))
 
 
 def _verify_metrics(verify: dict[str, Any]) -> Iterator[Any]:

@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from kvgraph.cache_dir import can_write
 from kvgraph.errors import ConfigError, PlatformError
+from kvgraph.kv_transfer.registry import kv_connector_class
 from kvgraph.runtime.platforms import get_platform
 from kvgraph.runtime.runner_args import check_device
 
@@ -77,7 +78,23 @@ def check_start(args: argparse.Namespace, models: Mapping[str, Any],
         world_size = tensor_parallel_size(args.tensor_parallel_size)
     check_devices(args.device, world_size)
     check_kvgraph(args)
+    check_kv_transfer(args, world_size)
     require(packages, "the server")  # last: importing them takes longest
+
+
+def check_kv_transfer(args: argparse.Namespace, world_size: int) -> None:
+    """The connector `--kv-transfer-config` names exists, takes its settings, and runs here."""
+    config = getattr(args, "kv_transfer_config", None)
+    if config is None:
+        return
+    if world_size > 1:
+        raise UsageError("--kv-transfer-config: KV connectors run with one rank for now, not "
+                         f"--tensor-parallel-size {world_size}")
+    with refused("--kv-transfer-config", ConfigError):
+        kv_connector_class(config).check_config(config)
+    path = config.extra("shared_storage_path")
+    if config.kv_connector == "SharedStorageConnector":
+        check_writable("--kv-transfer-config shared_storage_path", Path(path))
 
 
 @contextlib.contextmanager

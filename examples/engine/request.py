@@ -49,6 +49,13 @@ class Request:
     # preemption: tokens never change), and how many leading `block_ids` are in the cache.
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Prompt tokens served from a cache at its first admission (the prefix cache's, or a KV
+    # connector's) instead of computed: OpenAI's usage.prompt_tokens_details.cached_tokens.
+    num_cached_tokens: int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +97,7 @@ class RequestOutput:
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # when the request's params asked for them
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # on the first output, if asked
+    num_cached_tokens: int = 0  # of the prompt's, served from a cache (see Request)
 
     @property
     def finished(self) -> bool:

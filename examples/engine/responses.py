@@ -71,7 +71,10 @@ class ResponseFormat:
         kind = "chat.completion" if self.chat else "text_completion"
         body = self._object(kind, [self._choice(i, c.text, c.finish_reason, False, c.logprobs)
                                    for i, c in enumerate(choices)])
-        body["usage"] = _usage(prompt_tokens, sum(c.num_tokens for c in choices))
+        # The choices share one prompt, counted once in prompt_tokens: its cached_tokens are the
+        # first choice's (the later ones, started after it, may find its blocks cached too).
+        cached = choices[0].num_cached_tokens if choices else 0
+        body["usage"] = _usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)
         return body
 
     def chunk(self, index: int, text: str, finish_reason: FinishReason | None,
@@ -80,10 +83,11 @@ class ResponseFormat:
         return self._object(self._chunk_kind,
                             [self._choice(index, text, finish_reason, True, logprobs)])
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+                    ) -> dict[str, Any]:
         """A stream's last chunk under `stream_options.include_usage`: no choices, the counts."""
         body = self._object(self._chunk_kind, [])
-        body["usage"] = _usage(prompt_tokens, completion_tokens)
+        body["usage"] = _usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     @property
@@ -99,8 +103,13 @@ class Choice:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt's, served from the prefix cache or a KV connector
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+           ) -> dict[str, Any]:
+    """OpenAI's usage object; `prompt_tokens_details.cached_tokens` is always there (0 when
+    nothing was cached), as vLLM gives it with prefix caching on."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

@@ -10,6 +10,10 @@ front of the queue, to be recomputed from its prompt and the tokens it has gener
 Prefix caching (the allocator's): a request admitted shares the cached blocks its tokens start
 with, and those tokens count as computed. Each block a request has computed in full is
 registered in the cache before the next step is planned, and when the request leaves.
+
+A KV connector (external_kv.py), when there is one, is asked at admission for the tokens after
+those: loaded in the step, they count as computed; loaded asynchronously, the request waits,
+holding its blocks (and a place among `max_num_seqs`), until the load is reported done.
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from .block_allocator import BlockAllocator, blocks_for, chain_hashes
+from kvgraph.kv_transfer import KVConnectorOutput, chain_hashes
+
+from .block_allocator import BlockAllocator, blocks_for
+from .external_kv import ExternalKV
 from .request import Request
 
 
@@ -39,8 +46,9 @@ class Scheduler:
     """The request queue and the running set, and the blocks each running request holds."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 token_budget: int):
+                 token_budget: int, external: ExternalKV | None = None):
         self.allocator = allocator
+        self.external = external
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.token_budget = token_budget
@@ -52,7 +60,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.external and self.external.has_work))
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -63,7 +71,15 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        if self.external is not None and self.external.finished(request):
+            self._cache_computed(request)
+            request.block_ids, request.num_cached_blocks = [], 0  # held by ExternalKV now
+            return
         self._release(request)
+
+    def apply_kv_report(self, output: KVConnectorOutput) -> None:
+        """The KV connector's report: requests whose loads are done run from the next step."""
+        self.running += self.external.update(output)
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
@@ -95,20 +111,41 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        parked = len(self.external.loading) if self.external else 0
+        while self.waiting and budget > 0 and len(self.running) + parked < self.max_num_seqs:
             request = self.waiting[0]
             num_cached_tokens = self._share_cached(request)
-            num_tokens = min(request.num_uncomputed_tokens, budget)
-            if not self._grow(request, num_tokens):
+            external, load_async = self._external_tokens(request)
+            # The first chunk's blocks come with a synchronous load's: they run in one step.
+            num_tokens = 0 if load_async else min(request.num_uncomputed_tokens - external,
+                                                  budget)
+            if not self._grow(request, external + num_tokens):
                 # It waits for blocks, holding none; the queue keeps its order.
                 self._release(request)
                 request.num_computed_tokens = 0
                 break
             self.num_queried_tokens += request.num_tokens
             self.num_hit_tokens += num_cached_tokens
-            self.running.append(self.waiting.popleft())
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_cached_tokens + external
+            self.waiting.popleft()
+            if external:
+                self.external.allocated(request, external)
+            if load_async:
+                self.external.park(request, external)
+                parked += 1
+                continue
+            request.num_computed_tokens += external
+            self.running.append(request)
             output.chunks.append(ScheduledChunk(request, num_tokens))
             budget -= num_tokens
+
+    def _external_tokens(self, request: Request) -> tuple[int, bool]:
+        """The KV connector's tokens for `request` after its cached ones, and whether it loads
+        them asynchronously; none when prompt logprobs need every position computed."""
+        if self.external is None or request.params.prompt_logprobs is not None:
+            return 0, False
+        return self.external.matched(request)
 
     def _share_cached(self, request: Request) -> int:
         """Hold the cached blocks `request`'s tokens start with, as computed; their tokens' count.

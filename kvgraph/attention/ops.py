@@ -18,7 +18,7 @@ import torch
 from kvgraph.attention.backends import get_attention_backend
 from kvgraph.attention.metadata import AttentionMetadata
 from kvgraph.errors import BatchError, ForwardContextError
-from kvgraph.forward_context import AttentionProbe, get_forward_context
+from kvgraph.forward_context import AttentionProbe, KVLayerHooks, get_forward_context
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -68,8 +68,9 @@ def _check_once(signature: tuple, check: Callable[[], None]) -> None:
         _checked.add(signature)
 
 
-def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None, AttentionProbe | None]:
-    """The step's metadata, attention backend name and probe (see ForwardContext)."""
+def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None, AttentionProbe | None,
+                                        KVLayerHooks | None]:
+    """The step's metadata, attention backend name, probe and KV hooks (see ForwardContext)."""
     context = get_forward_context()
     metadata = context.attn_metadata
     if metadata is None:
@@ -81,7 +82,7 @@ def _metadata(num_tokens: int) -> tuple[AttentionMetadata, str | None, Attention
             f"the batch has {num_tokens} tokens but its slot_mapping has "
             f"{metadata.slot_mapping.shape[0]}; metadata and inputs must describe the same batch"
         )
-    return metadata, context.attn_backend, context.probe
+    return metadata, context.attn_backend, context.probe, context.kv_hooks
 
 
 _library = torch.library.Library("kvgraph", "DEF")  # kept alive: it owns the registrations
@@ -102,7 +103,7 @@ def unified_attention(query, key, value, kv_cache, out, scale, sliding_window=-1
     `write_kv=False` is a layer that reads another layer's cache: nothing is written, and its
     keys and values come from the cache alone (the target layer wrote this step's tokens).
     """
-    metadata, backend, probe = _metadata(query.shape[0])
+    metadata, backend, probe, kv_hooks = _metadata(query.shape[0])
 
     def check() -> None:
         num_tokens, num_heads, head_size = query.shape
@@ -115,10 +116,15 @@ def unified_attention(query, key, value, kv_cache, out, scale, sliding_window=-1
 
     _check_once(("attention", query.shape, key.shape, value.shape, out.shape,
                  *[t.shape for t in kv_cache], metadata.block_size), check)
+    # A layer that reads another's cache writes nothing, so it has nothing to load or save.
+    if kv_hooks is not None and write_kv:
+        kv_hooks.before_attention(kv_cache)
     get_attention_backend(backend, query.device).forward(
         query, key, value, kv_cache, out, metadata, scale,
         sliding_window if sliding_window > 0 else None, write_kv,
     )
+    if kv_hooks is not None and write_kv:
+        kv_hooks.after_attention(kv_cache, metadata)
     if probe is not None:
         probe("unified_attention", kv_cache, (query, key, value), out)
 
@@ -128,7 +134,7 @@ def unified_mla_attention(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale, writ
 
     `write_kv=False`: the layer reads another layer's cache and writes nothing.
     """
-    metadata, backend, probe = _metadata(q_latent.shape[0])
+    metadata, backend, probe, kv_hooks = _metadata(q_latent.shape[0])
 
     def check() -> None:
         num_tokens, num_heads, kv_lora_rank = q_latent.shape
@@ -141,9 +147,13 @@ def unified_mla_attention(q_latent, q_pe, kv_c, k_pe, kv_cache, out, scale, writ
 
     _check_once(("mla", q_latent.shape, q_pe.shape, kv_c.shape, k_pe.shape, out.shape,
                  *[t.shape for t in kv_cache], metadata.block_size), check)
+    if kv_hooks is not None and write_kv:
+        kv_hooks.before_attention(kv_cache)
     get_attention_backend(backend, q_latent.device).forward_mla(
         q_latent, q_pe, kv_c, k_pe, kv_cache, out, metadata, scale, write_kv
     )
+    if kv_hooks is not None and write_kv:
+        kv_hooks.after_attention(kv_cache, metadata)
     if probe is not None:
         probe("unified_mla_attention", kv_cache, (q_latent, q_pe, kv_c, k_pe), out)
 
@@ -153,7 +163,7 @@ def encoder_attention(query, key, value, out, scale, sliding_window=-1):
 
     With `sliding_window` w > 0, token i sees token j of its request only when |i - j| < w.
     """
-    metadata, backend, probe = _metadata(query.shape[0])
+    metadata, backend, probe, _ = _metadata(query.shape[0])
 
     def check() -> None:
         num_tokens, num_heads, head_size = query.shape

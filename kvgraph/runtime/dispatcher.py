@@ -9,9 +9,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvgraph.attention.backends.base import GraphSupport
+from kvgraph.attention.backends.base import AttentionBackend, GraphSupport
 from kvgraph.attention.batch import HostBatch
-from kvgraph.config import GraphMode
+from kvgraph.config import CompilationConfig, GraphMode
+from kvgraph.kv_transfer.base import KVConnectorBase
 from kvgraph.forward_context import BatchDescriptor
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,34 @@ def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str,
             "" if resolved.has_graphs else ", and with no splitting_ops there are no pieces: "
             "nothing will be captured",
         )
+    return resolved
+
+
+def resolve_runner_mode(config: CompilationConfig, backend: AttentionBackend,
+                        kv_connector: KVConnectorBase | None) -> tuple[GraphMode, str | None]:
+    """The graph mode a runner runs `config`'s in: what its attention backend can serve, then
+    what its KV connector allows; with how the connector changed it (for stats), if it did."""
+    can_split = bool(config.splitting_ops)
+    mode = resolve_graph_mode(config.graph_mode, backend.graph_support, backend.name, can_split)
+    if kv_connector is None or not kv_connector.layerwise:
+        return mode, None
+    resolved = resolve_for_kv_connector(mode, kv_connector.name, can_split)
+    return resolved, None if resolved is mode else f"{mode.value} -> {resolved.value}"
+
+
+def resolve_for_kv_connector(mode: GraphMode, connector: str, can_split: bool = True
+                             ) -> GraphMode:
+    """`mode` without full graphs, with a warning, for a KV connector that works layer by layer:
+    its per-layer calls run in Python, which a full device graph's replay never runs, so they
+    would be skipped (loads not waited for, saves missed). Attention then runs between graphs."""
+    if not mode.has_full_graphs:
+        return mode
+    resolved = {GraphMode.FULL_DECODE_ONLY: GraphMode.NONE}.get(
+        mode, GraphMode.PIECEWISE if can_split else GraphMode.NONE)
+    logger.warning(
+        "kvgraph: graph mode %r resolved to %r: KV connector %r works layer by layer, and a full "
+        "graph's replay runs no Python, so its per-layer loads and saves would be skipped",
+        mode.value, resolved.value, connector)
     return resolved
 
 

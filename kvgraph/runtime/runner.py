@@ -4,12 +4,9 @@
     runner.capture()                   # compiles first, then every graph, largest first
     logits = runner.execute(chunks)    # [num_reqs, vocab]: each chunk's last-token logits
 
-A step: `prepare_step` validates the batch, dispatches it (asking the GraphSet what was
-captured), plans it (the attention backend's rule for what a device graph freezes), writes its
-inputs into the persistent buffers and makes the attention backend's plan of it; then the
-forward runs, replayed through the GraphSet (which calls the backend's replay hook first) or
-without graphs. The runner owns its graphs and their memory pool: `close()`, or dropping it,
-frees them, with its caches and compiled code.
+A step's path (validate, dispatch, plan, fill the persistent buffers, run or replay) is drawn
+in docs/architecture.md. The runner owns its graphs, their pool, its caches and compiled code:
+`close()`, or dropping it, frees them.
 """
 
 from __future__ import annotations
@@ -32,21 +29,19 @@ from kvgraph.config import CompilationConfig, GraphMode
 from kvgraph.devices import canonical_device
 from kvgraph.distributed import TensorParallelGroup, tensor_parallel_group
 from kvgraph.errors import RunnerError
-from kvgraph.forward_context import AttentionProbe, BatchDescriptor, set_forward_context
+from kvgraph.forward_context import (AttentionProbe, BatchDescriptor, KVLayerHooks,
+                                     set_forward_context)
 from kvgraph.runtime import model_claim
 from kvgraph.runtime.capture import capture_graphs
-from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode
+from kvgraph.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from kvgraph.kv_transfer.worker import WorkerConnector, disabled_stats as no_connector_stats
+from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode, resolve_runner_mode
 from kvgraph.runtime.graphs import GraphSet, graph_key
 from kvgraph.runtime.input_buffers import InputBuffers
 from kvgraph.runtime.platforms import get_platform
 from kvgraph.runtime.rank_agreement import RankAgreement
-from kvgraph.runtime.runner_args import (
-    check_device,
-    check_dtype,
-    check_sizes,
-    model_vocab_size,
-    with_max_num_tokens,
-)
+from kvgraph.runtime.runner_args import (check_device, check_dtype, check_sizes,
+                                         model_vocab_size, rank_settings, with_max_num_tokens)
 from kvgraph.runtime.runner_caches import bind_new_caches
 from kvgraph.runtime.step import Step, StepLimits, plan_step
 from kvgraph.runtime.verify import Verifier, disabled_stats
@@ -67,14 +62,18 @@ class ModelRunner:
     One model, one runner: building a runner on a model another live runner holds is a
     RunnerError; `close()` that runner first (or build a new model).
     Public: `config`, `device`, `model`, `kv_caches`, `attn_backend` (its name), `limits`,
-    `vocab_size`, `tp` (its tensor-parallel group), and `hidden_states` (the last step's
-    padded output, for debugging: valid until the next step).
+    `vocab_size`, `tp` (its tensor-parallel group), `kv_connector` (None, or the
+    WorkerConnector driving its KV connector: its `output` is the last step's report) and
+    `hidden_states` (the last step's padded output, for debugging: valid until the next step).
 
     Tensor parallelism: `tp_group` (default: the process's, see kvgraph.distributed) is the
     group the model is sharded over. Every rank builds its runner, compiles, captures and runs
     the same steps; the runner checks that they agree (settings when built, descriptors at
     capture, each step's descriptor with `check_rank_agreement`) and raises a RunnerError on
     every rank, naming the rank that failed or differed, instead of hanging.
+
+    `kv_connector`: a KV connector's worker side (kvgraph.kv_transfer), called around every
+    step; one that works layer by layer resolves full graph modes to piecewise (a warning).
     """
 
     def __init__(self, model: nn.Module, config: CompilationConfig | None = None, *,
@@ -82,7 +81,8 @@ class ModelRunner:
                  max_num_tokens: int | None = None, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, max_model_len: int | None = None,
                  attn_backend: str | None = None, vocab_size: int | None = None,
-                 tp_group: TensorParallelGroup | None = None):
+                 tp_group: TensorParallelGroup | None = None,
+                 kv_connector: KVConnectorBase | None = None):
         self._platform = get_platform(device)  # first: an NPU device needs torch_npu loaded
         if block_size is None:
             block_size = self._platform.default_block_size
@@ -96,19 +96,21 @@ class ModelRunner:
         self._backend.check_block_size(block_size)
         config = with_max_num_tokens(config or CompilationConfig(), max_num_tokens)
         self._dump = DumpSession.open(config.debug_dump_path)  # records the warnings below too
-        self.config = config.replace(graph_mode=resolve_graph_mode(
-            config.graph_mode, self._backend.graph_support, self._backend.name,
-            bool(config.splitting_ops)))
+        mode, connector_change = resolve_runner_mode(config, self._backend, kv_connector)
+        self.config = config.replace(graph_mode=mode)
         self.limits = StepLimits(self.config.max_num_tokens, max_num_seqs,
                                  max_model_len or num_blocks * block_size, num_blocks, block_size)
         self.vocab_size = vocab_size or model_vocab_size(model)
         self._dump.event("runner", "runner", {
             "requested_graph_mode": config.graph_mode.value,
             "graph_mode": self.config.graph_mode.value, "attn_backend": self.attn_backend,
-            "device": str(self.device), "limits": vars(self.limits)})
+            "device": str(self.device), "limits": vars(self.limits),
+            "kv_connector": kv_connector and kv_connector.name})
         self.model = model
         self.kv_caches, self._claim = bind_new_caches(
             model, self.limits, self.device, dtype or next(model.parameters()).dtype, self)
+        self.kv_connector = kv_connector and WorkerConnector(kv_connector, self.kv_caches,
+                                                           connector_change)
         self._buffers = InputBuffers(self.limits, self.device)
         self._graphs = GraphSet(self._platform, self._backend, self.config.check_graph_inputs)
         # A device graph freezes the host ints attention's shapes depend on; a CPU graph does not.
@@ -122,15 +124,7 @@ class ModelRunner:
         self._verifier = Verifier(self) if self.config.verify else None
         self.tp = tp_group or tensor_parallel_group()
         self._ranks = RankAgreement(self.tp)
-        self._ranks.same("the runner's settings", self._settings())
-
-    def _settings(self) -> tuple:
-        """What must be equal on every tensor-parallel rank for their steps to match."""
-        config = self.config
-        return (config.graph_mode.value, vars(self.limits), self.attn_backend,
-                config.capture_size_list, config.compile_sizes, config.piece_compiler,
-                config.splitting_ops, str(next(iter(self.kv_caches.values()))[0].dtype)
-                if self.kv_caches else None)
+        self._ranks.same("the runner's settings", rank_settings(self))
 
     @staticmethod
     def default_block_size(device: torch.device | str = "cpu") -> int:
@@ -189,28 +183,32 @@ class ModelRunner:
         """Compile if not yet done, then capture every graph the mode asks for, largest first.
 
         Returns a summary: the descriptors and graphs (one per piece of each descriptor) this
-        call captured and its seconds; `bytes` and `bytes_by_descriptor` are what all of this
-        runner's graphs added to its pool. A descriptor whose capture fails is listed in
-        `failed` and logged; its batches run on the same size's piecewise graphs if there are
-        any, else without graphs.
+        call captured and its seconds; `bytes` and `bytes_by_descriptor`, what all this runner's
+        graphs added to its pool. A descriptor whose capture fails is listed in `failed` and
+        logged; its batches run on the same size's piecewise graphs if any, else without.
         """
         self._ensure_compiled()
         return capture_graphs(self._graphs, self._dispatcher.descriptors_to_capture(),
                               self._capture_one, self._ranks, self._dump)
 
-    def execute(self, chunks: Sequence[RequestChunk]) -> torch.Tensor:
+    def execute(self, chunks: Sequence[RequestChunk],
+                kv_connector_metadata: KVConnectorMetadata | None = None) -> torch.Tensor:
         """Run one step; the logits of each chunk's last token, `[len(chunks), vocab]`.
 
-        The logits are a fresh tensor: the next step's replay does not overwrite them.
+        The logits are a fresh tensor: the next step's replay does not overwrite them. With a
+        KV connector, `kv_connector_metadata` is its scheduler side's for this step.
         """
         self._ensure_compiled()
         step = self.prepare_step(chunks)
         if self.config.check_rank_agreement:
             self._ranks.same("this step's batch descriptor",
                              graph_key(step.plan.runtime_mode, step.plan.descriptor))
-        if self._verifier is not None and self._verifier.wants(step):
-            return self._verifier.run(step)
-        hidden = self._run(step)
+        connector = self.kv_connector
+        with (connector.step(kv_connector_metadata, step.metadata) if connector
+              else contextlib.nullcontext()) as kv_hooks:
+            if self._verifier is not None and self._verifier.wants(step):
+                return self._verifier.run(step, kv_hooks)
+            hidden = self._run(step, kv_hooks=kv_hooks)
         return self.model.compute_logits(hidden[step.logits_indices])
 
     def prepare_step(self, chunks: Sequence[RequestChunk]) -> Step:
@@ -236,14 +234,16 @@ class ModelRunner:
                     self._buffers.logits_indices[:batch.num_reqs])
 
     def _run(self, step: Step, model: Callable | None = None,
-             probe: AttentionProbe | None = None) -> torch.Tensor:
+             probe: AttentionProbe | None = None, kv_hooks: KVLayerHooks | None = None
+             ) -> torch.Tensor:
         """The forward of `step`, replayed from its graphs when its runtime mode has them.
 
         `model` (default: the compiled model) and `probe` (see ForwardContext) are verify
-        mode's: the model as written, and a recorder of each attention call.
+        mode's: the model as written, and a recorder of each attention call. `kv_hooks`: a
+        layer-by-layer KV connector's, on live steps only.
         """
         mode, descriptor = step.plan.runtime_mode, step.plan.descriptor
-        with self._step_context(step, model, probe) as forward:
+        with self._step_context(step, model, probe, kv_hooks) as forward:
             hidden = (self._graphs.replay(mode, descriptor, step.metadata, forward)
                       if mode.has_graphs else forward())
         self.hidden_states = hidden
@@ -251,13 +251,13 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _step_context(self, step: Step, model: Callable | None = None,
-                      probe: AttentionProbe | None = None
+                      probe: AttentionProbe | None = None, kv_hooks: KVLayerHooks | None = None
                       ) -> Iterator[Callable[[], torch.Tensor]]:
         """The forward context of `step`, and its forward (run, replayed or captured in it)."""
         model = model or self._forward
         with torch.no_grad(), set_forward_context(step.metadata, step.plan.descriptor,
                                                   self.attn_backend, step.plan.runtime_mode,
-                                                  self._graphs, probe):
+                                                  self._graphs, probe, kv_hooks):
             yield lambda: model(step.input_ids, step.positions)
 
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
@@ -282,19 +282,19 @@ class ModelRunner:
             "graphs": self._graphs.snapshot(),
             "compile": self._compile_counters().snapshot(),
             "verify": self._verifier.stats() if self._verifier else disabled_stats(),
+            "kv_connector": (self.kv_connector.stats() if self.kv_connector
+                             else no_connector_stats()),
         }
 
     def dump_stats(self) -> dict[str, Any]:
-        """Write `stats()` into the debug dump (stats.json) now, and return it; `close()` does
-        it too."""
+        """Write `stats()` into the debug dump (stats.json) now (`close()` does too); return it."""
         stats = self.stats()
         self._dump.runtime_json("stats", stats)
         return stats
 
-    def _compile_counters(self) -> CompileCounters:
-        if isinstance(self._forward, CompiledModel):
-            return self._forward.backend.counters
-        return CompileCounters()  # eager, or closed
+    def _compile_counters(self) -> CompileCounters:  # eager, or closed: empty ones
+        return (self._forward.backend.counters if isinstance(self._forward, CompiledModel)
+                else CompileCounters())
 
     def close(self) -> None:
         """Free this runner's graphs, pool, compiled code and caches, and let go of the model
@@ -303,6 +303,8 @@ class ModelRunner:
             return
         self.dump_stats()
         self._dump.close()
+        if self.kv_connector:
+            self.kv_connector.close()
         self._graphs.release()
         if isinstance(self._forward, CompiledModel):
             self._forward.release()

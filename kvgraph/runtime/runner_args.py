@@ -87,3 +87,12 @@ def model_vocab_size(model: nn.Module) -> int | None:
         return size
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     return embedding.num_embeddings if embedding is not None else None
+
+
+def rank_settings(runner: Any) -> tuple:
+    """What must be equal on every tensor-parallel rank for their steps to match."""
+    config = runner.config
+    return (config.graph_mode.value, vars(runner.limits), runner.attn_backend,
+            config.capture_size_list, config.compile_sizes, config.piece_compiler,
+            config.splitting_ops, str(next(iter(runner.kv_caches.values()))[0].dtype)
+            if runner.kv_caches else None)

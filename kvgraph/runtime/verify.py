@@ -24,7 +24,7 @@ import torch
 
 from kvgraph.config import GraphMode
 from kvgraph.errors import VerifyError
-from kvgraph.forward_context import BatchDescriptor
+from kvgraph.forward_context import BatchDescriptor, KVLayerHooks
 from kvgraph.runtime.graphs import graph_key
 from kvgraph.runtime.step import Step, StepPlan
 from kvgraph.runtime.verify_locate import difference, locate
@@ -154,12 +154,14 @@ class Verifier:
         return (graph_key(mode, step.plan.descriptor) not in self.records
                 or bool(every and self.steps % every == 0))
 
-    def run(self, step: Step) -> torch.Tensor:
-        """Run `step` on its graphs, check it against eager; its (the graph's) logits."""
+    def run(self, step: Step, kv_hooks: KVLayerHooks | None = None) -> torch.Tensor:
+        """Run `step` on its graphs, check it against eager; its (the graph's) logits.
+
+        `kv_hooks` (a layer-by-layer KV connector's) see the graph run only: it is the step's."""
         runner, plan = self.runner, step.plan
         blocks = TouchedBlocks(runner.kv_caches, plan, runner.device)
         before = blocks.read()
-        hidden = runner._run(step)
+        hidden = runner._run(step, kv_hooks=kv_hooks)
         logits = runner.model.compute_logits(hidden[step.logits_indices])
         graph_cache = blocks.read()
         saved_hidden = None

@@ -7,7 +7,9 @@ without running them; and one runner's graphs share one pool, so replaying one s
 what another size returned. A CPU graph runs the callable while capturing (to learn its
 outputs), moves them into the pool and poisons them (NaN, or the lowest integer); on replay it
 reruns the callable and copies the results into that memory. Code that uses a capture's
-outputs, or holds an output across steps, therefore breaks here as it would on a GPU.
+outputs, or holds an output across steps, therefore breaks here as it would on a GPU. A replay
+calls no KV connector hooks (no Python runs in a device graph's replay), so a layer-by-layer
+connector forced into a full graph misses its layers here as it would there.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvgraph.cpu.huge_pages import use_huge_pages
 from kvgraph.cpu.packed_linear import pack_linear_weights
 from kvgraph.cpu.small_batch_linear import use_small_batch_linear
 from kvgraph.devices import memory_bytes
+from kvgraph.forward_context import kv_hooks_suspended
 from kvgraph.runtime.platforms.base import (SERVING_CORES, check_addresses, has_storage,
                                             input_addresses, map_tensors, tensors_in)
 
@@ -107,7 +110,8 @@ class CPUGraph:
     def replay(self, args: Sequence[Any]) -> Any:
         if self.check_inputs:
             check_addresses(self.addresses, args, self.name)
-        fresh = self.fn(*args)
+        with kv_hooks_suspended():  # a device graph's replay runs no Python: no connector hooks
+            fresh = self.fn(*args)
         for persistent, new in zip(tensors_in(self.outputs), tensors_in(fresh)):
             if persistent.data_ptr() != new.data_ptr():
                 persistent.copy_(new)

@@ -112,3 +112,18 @@ def test_token_budget_times_prefill_and_the_stall_a_long_prompt_causes(tmp_path)
         assert_measured([row["prefill_tok_s"], row["stall_ms"], row["decode_step_ms"]])
     assert len(payload["samples"][8]) == 2
     assert (tmp_path / "budget.json").is_file()
+
+
+def test_kv_connector_times_each_way_to_a_first_token_and_counts_the_hooks(tmp_path):
+    from examples.benchmarks import kv_connector
+
+    payload = kv_connector.main([
+        "--preset", "tiny", "--prompt-len", "40", "--max-model-len", "64", "--rounds", "2",
+        "--decode-steps", "4", "--piece-compiler", "eager", "--graph-mode", "none",
+        "--json", str(tmp_path / "kv.json")])
+    assert set(payload["ttft_ms"]) == {"cold", "cold+save", "storage", "memory"}
+    assert_measured(payload["ttft_ms"].values())
+    hooks = payload["hooks"]
+    # Two calls per layer per decode step when on; none at all when off.
+    assert hooks["hook_calls_on"] == 2 * hooks["layers"] * 4 and hooks["hook_calls_off"] == 0
+    assert (tmp_path / "kv.json").is_file() and len(payload["samples"]) == 2

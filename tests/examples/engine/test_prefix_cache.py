@@ -12,11 +12,12 @@ from hypothesis import strategies as st
 
 import kvgraph
 from examples.engine import LLMEngine, SamplingParams
-from examples.engine.block_allocator import BlockAllocator, chain_hashes
+from examples.engine.block_allocator import BlockAllocator
 from examples.engine.detokenizer import Detokenizer
 from examples.engine.request import Request
 from examples.engine.scheduler import Scheduler
 from examples.engine.tokenizer import ByteTokenizer
+from kvgraph.kv_transfer import chain_hashes
 from examples.models.llama import Llama
 from kvgraph import RequestChunk
 from tests.support.scenario import make_runner

@@ -114,12 +114,32 @@ def hook_cost(args: argparse.Namespace) -> dict[str, Any]:
             times[name].append(time.perf_counter() - start)
     stats = {name: runner.stats()["kv_connector"] for name, runner in runners.items()}
     layers = len(kvgraph.attention_layers(runners["on"].model))
+    direct = direct_cost_us(runners["on"])
     for runner in runners.values():
         runner.close()
     off, on = (1e3 * statistics.median(times[n]) for n in ("off", "on"))
     return {"step_ms_off": off, "step_ms_on": on, "hooks_us_per_step": 1e3 * (on - off),
             "layers": layers, "hook_calls_on": stats["on"]["layer_hook_calls"],
-            "hook_calls_off": stats["off"]["layer_hook_calls"], "steps": args.decode_steps}
+            "hook_calls_off": stats["off"]["layer_hook_calls"], "steps": args.decode_steps,
+            **direct}
+
+
+def direct_cost_us(runner: kvgraph.ModelRunner, calls: int = 100_000) -> dict[str, float]:
+    """The hooks' own host time, timed alone (a decode step's difference is within its noise
+    on a shared VM): one layer's two calls, and the step's wrapper around the forward."""
+    connector = runner.kv_connector
+    kv_cache = list(next(iter(runner.kv_caches.values())))
+    start = time.perf_counter()
+    for _ in range(calls):
+        connector.hooks.before_attention(kv_cache)
+        connector.hooks.after_attention(kv_cache, None)
+    layer = (time.perf_counter() - start) / calls
+    start = time.perf_counter()
+    for _ in range(calls // 10):
+        with connector.step(None, None):
+            pass
+    return {"hooks_us_per_layer": 1e6 * layer,
+            "step_wrapper_us": 1e6 * (time.perf_counter() - start) / (calls // 10)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -137,7 +157,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"layer hooks, piecewise decode step: {hooks['step_ms_off']:.3f} ms off, "
           f"{hooks['step_ms_on']:.3f} ms on ({hooks['hooks_us_per_step']:+.1f} us per step, "
           f"{hooks['hook_calls_on']} calls over {hooks['layers']} layers; "
-          f"{hooks['hook_calls_off']} calls off)")
+          f"{hooks['hook_calls_off']} calls off); timed alone: "
+          f"{hooks['hooks_us_per_layer']:.2f} us per layer, {hooks['step_wrapper_us']:.2f} us "
+          "per step around the forward")
     payload = {"machine": machine(torch.device("cpu")), "args": vars(args) | {
         "kv_transfer_config": None}, "ttft_ms": medians, "samples": samples, "hooks": hooks}
     write_json(args.json, json.loads(json.dumps(payload, default=str)))

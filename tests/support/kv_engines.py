@@ -31,7 +31,8 @@ def storage_config(store: str, **extra) -> KVTransferConfig:
                             {"shared_storage_path": str(store), **extra})
 
 
-def make_kv_engine(kind: str, mode: str = "eager", store=None, **extra) -> LLMEngine:
+def make_kv_engine(kind: str, mode: str = "eager", store=None, num_blocks: int = 96,
+                   **extra) -> LLMEngine:
     torch.manual_seed(0)
     config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
                                        max_num_tokens=32, capture_sizes=[1, 2, 4, 8, 16, 32])
@@ -40,8 +41,8 @@ def make_kv_engine(kind: str, mode: str = "eager", store=None, **extra) -> LLMEn
     def connector(role):
         return transfer and create_kv_connector(transfer, role, BLOCK_SIZE,
                                                 model_key=f"{kind}-tiny-seed0")
-    runner = kvgraph.ModelRunner(make_model(kind), config, num_blocks=96, block_size=BLOCK_SIZE,
-                                 max_num_seqs=4, max_model_len=96,
+    runner = kvgraph.ModelRunner(make_model(kind), config, num_blocks=num_blocks,
+                                 block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=96,
                                  kv_connector=connector(KVConnectorRole.WORKER))
     runner.capture()
     return LLMEngine(runner, ByteTokenizer(), kv_connector=connector(KVConnectorRole.SCHEDULER))

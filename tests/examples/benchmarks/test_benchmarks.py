@@ -126,4 +126,5 @@ def test_kv_connector_times_each_way_to_a_first_token_and_counts_the_hooks(tmp_p
     hooks = payload["hooks"]
     # Two calls per layer per decode step when on; none at all when off.
     assert hooks["hook_calls_on"] == 2 * hooks["layers"] * 4 and hooks["hook_calls_off"] == 0
+    assert_measured([hooks["hooks_us_per_layer"], hooks["step_wrapper_us"]])
     assert (tmp_path / "kv.json").is_file() and len(payload["samples"]) == 2

@@ -38,6 +38,7 @@ def written(request, tmp_path_factory):
     return kind, store, tokens
 
 
+@pytest.mark.slow  # starts a process per model
 @pytest.mark.parametrize("mode", MODES)
 def test_blocks_from_another_process_give_the_same_greedy_tokens(written, mode):
     kind, store, reference = written
@@ -175,4 +176,48 @@ def test_blocks_of_a_request_aborted_while_loading_are_freed_only_after_the_load
     while engine.has_unfinished:
         engine.step()
     assert engine.allocator.num_free == free_before
+    engine.runner.close()
+
+
+def test_blocks_stay_held_until_the_connector_reports_them_sent(tmp_path, monkeypatch):
+    engine = make_kv_engine("llama", "eager", tmp_path)
+    sender = engine.runner.kv_connector.connector
+    scheduler_side = engine.external.connector
+    finish = scheduler_side.request_finished
+    # A connector still sending a finished request's blocks: they stay held until it reports.
+    monkeypatch.setattr(scheduler_side, "request_finished",
+                        lambda request, block_ids: (finish(request, block_ids), (True, None))[1])
+    reports_while_held = []
+
+    def get_finished(finished_req_ids):  # done sending at the second report after it ended
+        if "req-0" in engine.external.held:
+            reports_while_held.append(None)
+        return ({"req-0"} if len(reports_while_held) == 2 else set()), None
+    monkeypatch.setattr(sender, "get_finished", get_finished)
+    free_before = engine.allocator.num_free
+    request = engine.add_request(PROMPTS[0], GREEDY)
+    while not request.finished:
+        engine.step()
+    held = engine.external.held["req-0"]
+    assert engine.allocator.num_free == free_before - len(held) and engine.has_unfinished
+    while engine.has_unfinished:  # the empty steps collect the reports: the second frees them
+        engine.step()
+    assert engine.allocator.num_free == free_before and not engine.external.held
+    assert len(reports_while_held) == 2
+    engine.runner.close()
+
+
+def test_blocks_evicted_from_memory_come_back_from_the_store(tmp_path):
+    """In one process: the prefix cache gave the prompt's blocks to other requests, so the
+    prompt asked again finds them on disk, not in memory."""
+    engine = make_kv_engine("llama", "piecewise", tmp_path, num_blocks=24)
+    reference = generate(engine, PROMPTS[:1])
+    for i in range(4):  # other prompts of 80 tokens take every block back
+        engine.generate([[(13 * j + i) % 256 for j in range(80)]], GREEDY)
+    assert engine.stats()["prefix_cache_evictions"] > 0
+    hits_before = engine.stats()["prefix_cache_hit_tokens"]
+    assert generate(engine, PROMPTS[:1]) == reference
+    stats = engine.stats()
+    assert stats["prefix_cache_hit_tokens"] == hits_before  # nothing of it left in memory
+    assert stats["kv_connector_loaded_tokens"] == (len(PROMPTS[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
     engine.runner.close()

@@ -44,11 +44,14 @@ class RecordingConnector(KVConnectorBase):
 
     def wait_for_layer_load(self, layer_name):
         self.log.append(("wait", layer_name))
+        self._before = [t.clone() for t in self.registered[layer_name]]
 
     def save_kv_layer(self, layer_name, kv_cache, attn_metadata):
-        # The cache handed over is the layer's own tuple, and the op has written it already.
+        # The cache handed over is the layer's own tuple; the op wrote it after the wait (every
+        # step writes new tokens' rows) and before this call.
         assert kv_cache is self.registered[layer_name]
-        self.log.append(("save", layer_name, attn_metadata.num_actual_tokens))
+        written = all(not torch.equal(t, b) for t, b in zip(kv_cache, self._before))
+        self.log.append(("save", layer_name, attn_metadata.num_actual_tokens, written))
 
     def wait_for_save(self):
         self.log.append(("wait_for_save",))
@@ -80,7 +83,8 @@ def steps():
 
 def expected_step(layers: list[str], num_tokens: int) -> list[tuple]:
     return [("start_load_kv", "StepMetadata"),
-            *[call for layer in layers for call in (("wait", layer), ("save", layer, num_tokens))],
+            *[call for layer in layers
+              for call in (("wait", layer), ("save", layer, num_tokens, True))],
             ("wait_for_save",)]
 
 

@@ -41,6 +41,7 @@ from kvgraph.cache_dir import CACHE_DIR_SETTINGS, check_cache_dir, check_trusted
 from kvgraph.errors import ConfigError
 from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.block_hashes import BlockHash
+from kvgraph.kv_transfer.compatibility import cache_layout
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,6 @@ class StoreLayout:
         text = json.dumps([MAGIC.decode().strip(), self.model_key, self.block_size,
                            self.tp_rank, self.tp_size])
         return hashlib.sha256(text.encode()).hexdigest()[:32]
-
-
-def cache_layout(kv_caches: dict[str, KVCache]) -> list:
-    """Each layer's name and its tensors' row shapes and dtypes, as a file header records them."""
-    return [[name, [[list(t.shape[2:]), str(t.dtype)] for t in cache]]
-            for name, cache in sorted(kv_caches.items())]
 
 
 class BlockStore:

@@ -1,0 +1,104 @@
+"""BlockPair: two processes' KV caches joined by a torch.distributed group of two, moving runs of
+blocks from one cache into the other without a copy on either side.
+
+Every tensor of every layer's tuple is `[num_blocks, ...]`, so a run of consecutive block ids is
+one contiguous byte range: it is sent straight from the sender's cache and received straight
+into the receiver's (gloo on the CPU; NCCL or HCCL where they run), with no staging buffer. A
+transfer pairs the sender's block ids with the receiver's; both sides cut it into the same runs
+(wherever either side's ids stop being consecutive) and exchange one message per run and tensor.
+The two caches must have the same layout (compatibility.py checks it before a pair is used).
+
+The group is the pair's own (a TCPStore the sender hosts, a ProcessGroupGloo of two), apart from
+any tensor-parallel group either process has.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch.distributed as dist
+
+from kvgraph.kv_cache.spec import KVCache
+
+SENDER, RECEIVER = "sender", "receiver"
+# Tags of one transfer: its own base, then one per message, so messages never cross.
+MESSAGES_PER_TAG = 2**20
+
+
+def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """`(src_start, dst_start, length)` of each stretch in which both `src` and `dst` ids run
+    consecutively, in order."""
+    if len(src) != len(dst):
+        raise ValueError(f"a transfer pairs each sent block with a received one: got "
+                         f"{len(src)} source and {len(dst)} destination block ids")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+class BlockPair:
+    """One side (`role`: SENDER or RECEIVER) of a pair of caches joined at `host:port`."""
+
+    def __init__(self, kv_caches: dict[str, KVCache], host: str, port: int, role: str,
+                 timeout_s: float = 60.0):
+        if role not in (SENDER, RECEIVER):
+            raise ValueError(f"role: expected {SENDER!r} or {RECEIVER!r}, got {role!r}")
+        self.role = role
+        self.tensors = [t for _, cache in sorted(kv_caches.items()) for t in cache]
+        self.num_blocks = self.tensors[0].shape[0] if self.tensors else 0
+        timeout = datetime.timedelta(seconds=timeout_s)
+        rank = 0 if role == SENDER else 1
+        self.peer = 1 - rank
+        # The sender hosts the store: it is up first, as the one whose blocks are asked for.
+        store = dist.TCPStore(host, port, 2, is_master=role == SENDER, timeout=timeout)
+        self.group = dist.ProcessGroupGloo(dist.PrefixStore("kvgraph-kv-pair", store), rank, 2,
+                                           timeout)
+        self.bytes_moved = 0
+
+    def send(self, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int = 0) -> None:
+        """Send blocks `src_ids` of this cache to the receiver's `dst_ids`; returns when sent."""
+        self._exchange(src_ids, dst_ids, tag, sending=True)
+
+    def recv(self, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int = 0) -> None:
+        """Receive the sender's blocks `src_ids` into this cache's `dst_ids`; returns when they
+        are written."""
+        self._exchange(src_ids, dst_ids, tag, sending=False)
+
+    def _exchange(self, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int,
+                  sending: bool) -> None:
+        local = src_ids if sending else dst_ids
+        bad = [b for b in local if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:5]} are outside this cache's {self.num_blocks} "
+                             "blocks")
+        if not sending and len(set(dst_ids)) != len(dst_ids):
+            raise ValueError("a block cannot receive twice in one transfer: destination ids "
+                             f"{list(dst_ids)} repeat")
+        works, index = [], tag * MESSAGES_PER_TAG
+        for src, dst, length in paired_runs(src_ids, dst_ids):
+            start = src if sending else dst
+            for tensor in self.tensors:
+                view = tensor[start:start + length]  # contiguous: the run's bytes in place
+                op = self.group.send if sending else self.group.recv
+                works.append(op([view], self.peer, index))
+                index += 1
+                self.bytes_moved += view.numel() * view.element_size()
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as error:  # the peer died or timed out
+            raise ConnectionError(f"KV block transfer with the {self._peer_role} failed: "
+                                  f"{error}") from error
+
+    @property
+    def _peer_role(self) -> str:
+        return RECEIVER if self.role == SENDER else SENDER
+
+    def close(self) -> None:
+        """Let go of the group (and the store the sender hosts)."""
+        self.group = None

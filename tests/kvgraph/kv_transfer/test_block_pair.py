@@ -1,0 +1,88 @@
+"""Moving blocks between two processes' caches (issue 46's first transport): runs cut alike on
+both sides, bytes equal the sender's, nothing else written, every message received straight
+into the cache (no staging buffer); and the fingerprint check that refuses a mismatched pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvgraph.errors import ConfigError
+from kvgraph.kv_transfer.block_pair import paired_runs
+from kvgraph.kv_transfer.compatibility import check_compatible, kv_fingerprint
+from tests.support.kv_pair_worker import caches
+from tests.support.scripts import free_port
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_runs_break_where_either_side_stops_being_consecutive():
+    assert paired_runs([3, 4, 5, 9], [10, 11, 2, 3]) == [(3, 10, 2), (5, 2, 1), (9, 3, 1)]
+    assert paired_runs([0, 1, 2], [5, 6, 7]) == [(0, 5, 3)]
+    assert paired_runs([], []) == []
+    with pytest.raises(ValueError, match="2 source and 1 destination"):
+        paired_runs([1, 2], [3])
+
+
+def transfer(kind: str, src: list[int], dst: list[int]) -> dict:
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ids = [",".join(map(str, src)), ",".join(map(str, dst))]
+    sides = [subprocess.Popen([sys.executable, "-m", "tests.support.kv_pair_worker", role,
+                               str(port), kind, *ids], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for role in ("sender", "receiver")]
+    outputs = [side.communicate(timeout=120) for side in sides]
+    for side, (_, err) in zip(sides, outputs):
+        assert side.returncode == 0, err[-3000:]
+    return json.loads(outputs[1][0])
+
+
+@pytest.mark.parametrize("kind", ["standard", "mla"])
+def test_blocks_arrive_byte_equal_and_in_place(kind):
+    src, dst = [3, 4, 5, 9, 12], [10, 11, 2, 3, 0]
+    result = transfer(kind, src, dst)
+    assert result["equal"] and result["untouched"] and result["in_place"]
+    # Four runs (3-4 -> 10-11, 5 -> 2, 9 -> 3, 12 -> 0), one message per run and tensor.
+    assert result["messages"] == len(paired_runs(src, dst)) * 6
+    per_block = sum(t[0].numel() * t.element_size() for cache in caches(kind, 0).values()
+                    for t in cache)
+    assert result["bytes"] == per_block * len(src)
+
+
+def fingerprint(kind="standard", block_size=16, dtype=torch.float32, **kwargs):
+    return kv_fingerprint(caches(kind, 0, dtype), block_size, "llama-small", **kwargs)
+
+
+@pytest.mark.parametrize("remote, named", [
+    (dict(block_size=32), "block_size: 16 here, 32 on decode"),
+    (dict(dtype=torch.bfloat16), "layer model.layers.0.attn: [row shape, dtype] per tensor"),
+    (dict(kind="mla"), "layer model.layers.0.attn"),
+    (dict(tp_size=2), "tp_size: 1 here, 2 on decode"),
+])
+def test_a_mismatched_pair_is_refused_naming_the_difference(remote, named):
+    with pytest.raises(ConfigError, match="refuses to move KV blocks with decode") as error:
+        check_compatible(fingerprint(), fingerprint(**remote), "decode")
+    assert named in str(error.value)
+
+
+def test_a_model_or_layer_count_difference_is_named():
+    other = fingerprint()
+    other["model_key"] = "llama-8b"
+    other["layers"] = other["layers"][:2]
+    with pytest.raises(ConfigError) as error:
+        check_compatible(fingerprint(), other, "prefill")
+    message = str(error.value)
+    assert "model_key: 'llama-small' here, 'llama-8b' on prefill" in message
+    assert "layers: 3 here, 2 on prefill (only one side has ['model.layers.2.attn'])" in message
+
+
+def test_a_matching_pair_passes():
+    check_compatible(fingerprint(), json.loads(json.dumps(fingerprint())), "decode")

@@ -83,8 +83,11 @@ class LLMEngine:
                       self.runner.vocab_size)
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None) -> Request:
-        """Queue a request (checked first); it runs from the next step on."""
+                    request_id: str | None = None,
+                    kv_transfer_params: dict | None = None) -> Request:
+        """Queue a request (checked first); it runs from the next step on.
+
+        `kv_transfer_params`: vLLM's disaggregated-prefill parameters, for the KV connector."""
         self.check(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -93,6 +96,7 @@ class LLMEngine:
             request_id, list(prompt_token_ids), params,
             Detokenizer(self.tokenizer, params.stop, prompt_token_ids), time.perf_counter(),
             generator=None if params.seed is None else self.sampler.new_generator(params.seed),
+            kv_transfer_params=kv_transfer_params,
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -270,6 +274,7 @@ class LLMEngine:
             prompt_logprobs=(tuple(request.prompt_logprobs)
                              if first and request.params.prompt_logprobs is not None else None),
             num_cached_tokens=request.num_cached_tokens or 0,
+            kv_transfer_params=request.kv_transfer_result,
         )
         request.last_token_time = now
         return output

@@ -110,7 +110,8 @@ class ExternalKV:
         """`request` left (finished, aborted or failed): whether its blocks stay held (the
         caller then must not free them); the connector is told either way."""
         parked = self.loading.pop(request.request_id, None) is not None
-        delay_free, _ = self.connector.request_finished(request, request.block_ids)
+        delay_free, request.kv_transfer_result = self.connector.request_finished(
+            request, request.block_ids)
         if (parked or delay_free) and request.block_ids:
             self.held[request.request_id] = list(request.block_ids)
             return True

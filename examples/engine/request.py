@@ -52,6 +52,10 @@ class Request:
     # Prompt tokens served from a cache at its first admission (the prefix cache's, or a KV
     # connector's) instead of computed: OpenAI's usage.prompt_tokens_details.cached_tokens.
     num_cached_tokens: int | None = None
+    # Disaggregated prefill (vLLM's protocol): what the router sent, and, when the request
+    # ends, what a KV connector answers for whoever continues it.
+    kv_transfer_params: dict | None = None
+    kv_transfer_result: dict | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -98,6 +102,7 @@ class RequestOutput:
     logprobs: TokenLogprobs | None = None  # when the request's params asked for them
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # on the first output, if asked
     num_cached_tokens: int = 0  # of the prompt's, served from a cache (see Request)
+    kv_transfer_params: dict | None = None  # on the last output: the KV connector's answer
 
     @property
     def finished(self) -> bool:

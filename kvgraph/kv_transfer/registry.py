@@ -53,4 +53,11 @@ def _shared_storage() -> type[KVConnectorBase]:
     return SharedStorageConnector
 
 
+def _torch_distributed() -> type[KVConnectorBase]:
+    from kvgraph.kv_transfer.torch_distributed import TorchDistributedConnector
+
+    return TorchDistributedConnector
+
+
 register_kv_connector("SharedStorageConnector", _shared_storage)
+register_kv_connector("TorchDistributedConnector", _torch_distributed)

@@ -1,8 +1,8 @@
 """Engines with the shared-storage KV connector, for the connector tests (issue 45).
 
 `make_kv_engine(kind, mode, store)` builds the tiny example model (seeded: every engine of a
-kind has the same weights) on a captured runner with eager pieces, with the connector on when
-`store` is a directory. Run as `python -m tests.support.kv_engines KIND STORE`, it fills `store`
+kind has the same weights) on a captured runner with eager pieces, with the shared-storage
+connector on when `store` is a directory (or the connector `transfer` configures). Run as `python -m tests.support.kv_engines KIND STORE`, it fills `store`
 from another process: what a restart or a second server on the host finds.
 """
 
@@ -32,15 +32,17 @@ def storage_config(store: str, **extra) -> KVTransferConfig:
 
 
 def make_kv_engine(kind: str, mode: str = "eager", store=None, num_blocks: int = 96,
+                   transfer: KVTransferConfig | None = None, model_key: str | None = None,
                    **extra) -> LLMEngine:
     torch.manual_seed(0)
     config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
                                        max_num_tokens=32, capture_sizes=[1, 2, 4, 8, 16, 32])
-    transfer = storage_config(store, **extra) if store is not None else None
+    if store is not None:
+        transfer = storage_config(store, **extra)
 
     def connector(role):
         return transfer and create_kv_connector(transfer, role, BLOCK_SIZE,
-                                                model_key=f"{kind}-tiny-seed0")
+                                                model_key=model_key or f"{kind}-tiny-seed0")
     runner = kvgraph.ModelRunner(make_model(kind), config, num_blocks=num_blocks,
                                  block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=96,
                                  kv_connector=connector(KVConnectorRole.WORKER))

@@ -1,0 +1,116 @@
+"""Prefill on one engine, decode on another (issue 46, in one process): the prompt's blocks
+pulled by D from P's cache over a gloo pair, vLLM's kv_transfer_params between them.
+
+Reference: the greedy tokens of an engine that computes everything itself (fp32). D must give
+them whether it loaded the prompt or, when P is gone or refuses it, computed it; P must free
+the blocks once D has them, or when D never comes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from examples.engine import SamplingParams
+from kvgraph.kv_transfer import KVTransferConfig
+from tests.support.kv_engines import BLOCK_SIZE, GREEDY, PROMPTS, generate, make_kv_engine
+from tests.support.scripts import free_port
+
+PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def producer(kind="llama", timeout_s=60.0, **kwargs):
+    port = free_port()
+    transfer = KVTransferConfig("TorchDistributedConnector", "kv_producer",
+                                {"port": port, "timeout_s": timeout_s})
+    return make_kv_engine(kind, "piecewise", transfer=transfer, **kwargs)
+
+
+def consumer(kind="llama", mode="full", **kwargs):
+    transfer = KVTransferConfig("TorchDistributedConnector", "kv_consumer", {"timeout_s": 20})
+    return make_kv_engine(kind, mode, transfer=transfer, **kwargs)
+
+
+def prefill(p, prompt):
+    """Run `prompt` on P as a router would; its final output's kv_transfer_params."""
+    request = p.add_request(prompt, PREFILL_ONLY, kv_transfer_params={"do_remote_decode": True})
+    while not request.finished:
+        p.step()
+    assert request.kv_transfer_result["do_remote_prefill"]
+    return request.kv_transfer_result
+
+
+def decode(p, d, prompt, params):
+    """Run `prompt` on D with P's params, stepping P beside it (it serves the pull)."""
+    request = d.add_request(prompt, GREEDY, kv_transfer_params=params)
+    deadline = time.monotonic() + 60
+    while d.has_unfinished or (p is not None and p.has_unfinished):
+        assert time.monotonic() < deadline, "the pair did not finish"
+        d.step()
+        if p is not None:
+            p.step()
+    return request
+
+
+@pytest.mark.parametrize("kind", ["llama", "mla"])
+def test_decode_continues_from_the_prefill_engines_blocks(kind):
+    reference = generate(make_kv_engine(kind))
+    p, d = producer(kind), consumer(kind)
+    free = p.allocator.num_free
+    for prompt, expected in zip(PROMPTS, reference):
+        params = prefill(p, prompt)
+        request = decode(p, d, prompt, params)
+        assert tuple(request.output_token_ids) == expected
+        loaded = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert request.num_cached_tokens == loaded
+    assert p.allocator.num_free == free  # every held block freed once D had it
+    stats = d.stats()
+    # The second prompt found the common prefix (6 blocks) in D's own prefix cache: only the
+    # blocks after it came from P.
+    pulled = [(len(PROMPTS[0]) - 1) // BLOCK_SIZE, (len(PROMPTS[1]) - 1) // BLOCK_SIZE - 6]
+    assert stats["kv_connector_loaded_tokens"] == sum(pulled) * BLOCK_SIZE
+    assert stats["prefix_cache_hit_tokens"] == 6 * BLOCK_SIZE
+    assert stats["runner"]["kv_connector"]["failed_pulls"] == 0
+    assert stats["runner"]["graph_mode"] == "full"  # a whole-request pull keeps full graphs
+    d.runner.close()
+    p.runner.close()
+
+
+def test_a_prefill_engine_gone_means_decode_computes_the_prompt():
+    reference = generate(make_kv_engine("llama"), PROMPTS[:1])
+    p, d = producer(), consumer()
+    params = prefill(p, PROMPTS[0])
+    p.runner.close()  # its side channel closes with it
+    request = decode(None, d, PROMPTS[0], params)
+    assert tuple(request.output_token_ids) == reference[0]
+    assert d.stats()["runner"]["kv_connector"]["failed_pulls"] == 1
+    assert request.num_cached_tokens == 0
+    d.runner.close()
+
+
+def test_a_mismatched_pair_is_refused_and_decode_computes_the_prompt(caplog):
+    reference = generate(make_kv_engine("llama"), PROMPTS[:1])
+    # Refused, D never pulls: P frees the blocks after its timeout.
+    p, d = producer(timeout_s=1.0), consumer(model_key="another-model")
+    params = prefill(p, PROMPTS[0])
+    request = decode(p, d, PROMPTS[0], params)
+    assert p.stats()["runner"]["kv_connector"]["expired_requests"] == 1
+    assert tuple(request.output_token_ids) == reference[0]
+    assert "model_key" in caplog.text and "refuses to move KV blocks" in caplog.text
+    d.runner.close()
+    p.runner.close()
+
+
+def test_blocks_are_freed_after_the_timeout_when_decode_never_comes():
+    p = producer(timeout_s=0.2)
+    free = p.allocator.num_free
+    prefill(p, PROMPTS[0])
+    assert p.allocator.num_free < free
+    deadline = time.monotonic() + 30
+    while p.has_unfinished:
+        assert time.monotonic() < deadline
+        p.step()
+    assert p.allocator.num_free == free
+    assert p.stats()["runner"]["kv_connector"]["expired_requests"] == 1
+    p.runner.close()

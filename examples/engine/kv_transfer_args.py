@@ -5,7 +5,9 @@
 
 The engine names the model for the connector (`model_key`): the example's preset and seed, or
 the checkpoint's files (names, sizes, modification times), with the dtype. Blocks saved by one
-model are then never loaded into another.
+model are then never loaded into another, and a prefill and a decode server of different
+models refuse to pair. (Checkpoint files on two hosts must then have equal modification times:
+give both the same `model_key` in the config otherwise.)
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def kv_connector(args: argparse.Namespace, models: Mapping[str, Any], role: KVCo
 
 
 def _takes_model_key(config: KVTransferConfig) -> bool:
-    """Whether to pass the engine's model_key: kvgraph's shared-storage connector takes one
-    (unless its config names its own); other connectors get only what every connector gets."""
-    return (config.kv_connector == "SharedStorageConnector"
+    """Whether to pass the engine's model_key: kvgraph's own connectors take one (unless their
+    config names its own); other connectors get only what every connector gets."""
+    return (config.kv_connector in ("SharedStorageConnector", "TorchDistributedConnector")
             and "model_key" not in config.kv_connector_extra_config)

@@ -92,15 +92,16 @@ class AsyncEngine:
         self.engine.check(prompt_token_ids, params)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                 params: SamplingParams, kv_transfer_params: dict[str, Any] | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """The request's outputs, one per token; leaving early aborts it (its blocks are
-        freed before the next step)."""
+        freed before the next step). `kv_transfer_params`: vLLM's, for the KV connector."""
         def submit(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
             if self.fatal_error is not None:  # the loop may be gone: nobody would take it
                 outputs.put_nowait(RequestFailed(f"the engine stopped: {self.fatal_error}"))
                 return
             self._commands.put(lambda: self._add(request_id, prompt_token_ids, params, loop,
-                                                 outputs))
+                                                 outputs, kv_transfer_params))
 
         return request_stream(submit, lambda: self._commands.put(lambda: self._abort(request_id)))
 
@@ -168,12 +169,14 @@ class AsyncEngine:
         return _STOP if command is None else command
 
     def _add(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-             loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
+             loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue,
+             kv_transfer_params: dict[str, Any] | None = None) -> None:
         if self.fatal_error is not None:
             deliver(loop, outputs, RequestFailed(f"the engine stopped: {self.fatal_error}"))
             return
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id)
+            self.engine.add_request(prompt_token_ids, params, request_id,
+                                    kv_transfer_params=kv_transfer_params)
         except RequestError as error:
             deliver(loop, outputs, error)
             return

@@ -1,8 +1,8 @@
 """The engine process's side of `EngineProcess`: build the engine, then step it, taking commands
 from the server's pipe between steps and sending back each step's outputs in one message.
 
-Messages to the engine: `(ADD, request_id, prompt_token_ids, params)`, `(ABORT, request_id)`,
-`(STOP,)`. From it: `(READY, EngineInfo)` or `(FAILED, why)` once, at start-up; then
+Messages to the engine: `(ADD, request_id, prompt_token_ids, params[, kv_transfer_params])`,
+`(ABORT, request_id)`, `(STOP,)`. From it: `(READY, EngineInfo)` or `(FAILED, why)` once, at start-up; then
 `(OUTPUTS, [RequestOutput...], stats or None)` after each step, `(REFUSED, request_id, param,
 message, status)` for a request the engine will not run, `(STEP_FAILED, [request_id...], why)`
 when a step raised (those requests end), `(FATAL, why)` when the engine cannot step again, and
@@ -138,12 +138,14 @@ class EngineCore:
     def _receive(self, timeout: float) -> tuple | None:
         return self.conn.recv() if self.conn.poll(timeout) else None
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: Any) -> None:
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: Any,
+             kv_transfer_params: dict[str, Any] | None = None) -> None:
         if self.dead:
             self.conn.send((STEP_FAILED, [request_id], "the engine stopped"))
             return
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id)
+            self.engine.add_request(prompt_token_ids, params, request_id,
+                                    kv_transfer_params=kv_transfer_params)
         except RequestError as error:
             self.conn.send((REFUSED, request_id, error.param, str(error), error.status))
         except Exception as error:  # noqa: BLE001 - the loop must outlive any request

@@ -150,9 +150,11 @@ class EngineProcess:
         return self.step_watch.overdue()
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                 params: SamplingParams, kv_transfer_params: dict[str, Any] | None = None
+                 ) -> AsyncIterator[RequestOutput]:
         """The request's outputs, one per token; leaving early aborts it (its blocks are
-        freed before the engine's next step)."""
+        freed before the engine's next step). `kv_transfer_params`: vLLM's, for the KV
+        connector."""
 
         def submit(loop: asyncio.AbstractEventLoop, outputs: asyncio.Queue) -> None:
             with self._lock:  # _die sets fatal_error under it: no stream registers after
@@ -166,7 +168,8 @@ class EngineProcess:
                 if not self._streams:  # the engine's first step for it starts now
                     self.step_watch.begin()
                 self._streams[request_id] = (loop, outputs)
-            self._outbox.put((ADD, request_id, list(prompt_token_ids), params))
+            self._outbox.put((ADD, request_id, list(prompt_token_ids), params,
+                              kv_transfer_params))
 
         def leave() -> None:
             with self._lock:

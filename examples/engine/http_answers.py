@@ -93,6 +93,7 @@ async def collect(outputs: Tagged, num_choices: int, fmt: ResponseFormat, prompt
             choice.logprobs = [*(choice.logprobs or ()), *(logprobs_of(output) or ())] or None
             choice.finish_reason, choice.num_tokens = output.finish_reason, output.num_output_tokens
             choice.num_cached_tokens = output.num_cached_tokens
+            choice.kv_transfer_params = output.kv_transfer_params
             if not output.finish_reason and await http.is_disconnected():
                 await outputs.aclose()
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
@@ -103,8 +104,9 @@ async def collect(outputs: Tagged, num_choices: int, fmt: ResponseFormat, prompt
 
 async def events(outputs: Tagged, fmt: ResponseFormat, metrics: ServerMetrics,
                  usage_prompt_tokens: int | None) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token of any choice, then (when `usage_prompt_tokens`
-    is given, for `stream_options.include_usage`) a chunk with the token counts (the prompt's
+    """Server-sent events: one chunk per token of any choice (a choice's last one with its
+    `kv_transfer_params`, when the KV connector gave any), then (when `usage_prompt_tokens` is
+    given, for `stream_options.include_usage`) a chunk with the token counts (the prompt's
     cached ones too), then `[DONE]`.
 
     A failure after the first token can only be told in the stream, as an error event. A
@@ -116,7 +118,8 @@ async def events(outputs: Tagged, fmt: ResponseFormat, metrics: ServerMetrics,
     try:
         async for index, output in outputs:
             metrics.observe(output)
-            chunk = fmt.chunk(index, output.text, output.finish_reason, logprobs_of(output))
+            chunk = fmt.chunk(index, output.text, output.finish_reason, logprobs_of(output),
+                              output.kv_transfer_params)
             yield f"data: {json.dumps(chunk)}\n\n"
             generated[index] = output.num_output_tokens
             if index == 0:

@@ -128,7 +128,8 @@ async def _start(engine: AsyncEngine | EngineProcess, parsed: GenerationRequest,
         for i in range(parsed.n):
             params = parsed.params if i == 0 else _nth_choice(parsed.params, i)
             stream = engine.generate(request_id if parsed.n == 1 else f"{request_id}-{i}",
-                                     parsed.prompt_token_ids, params)
+                                     parsed.prompt_token_ids, params,
+                                     kv_transfer_params=parsed.kv_transfer_params)
             streams.append(stream)
             first = await anext(stream)
             streams[-1] = resume(first, stream, parsed.echo_text)

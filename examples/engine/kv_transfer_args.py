@@ -70,5 +70,6 @@ def kv_connector(args: argparse.Namespace, models: Mapping[str, Any], role: KVCo
 def _takes_model_key(config: KVTransferConfig) -> bool:
     """Whether to pass the engine's model_key: kvgraph's own connectors take one (unless their
     config names its own); other connectors get only what every connector gets."""
-    return (config.kv_connector in ("SharedStorageConnector", "TorchDistributedConnector")
+    return (config.kv_connector in ("SharedStorageConnector", "TorchDistributedConnector",
+                                    "MooncakeConnector")
             and "model_key" not in config.kv_connector_extra_config)

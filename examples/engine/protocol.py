@@ -35,6 +35,8 @@ class GenerationRequest:
     include_usage: bool = False
     echo_text: str = ""  # `echo`: the prompt's text, put before the answer's
     n: int = 1  # choices: each an engine request of its own
+    # vLLM's disaggregated-prefill parameters, for the engine's KV connector (one choice only).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -220,5 +222,55 @@ def _request(prompt_token_ids: list[int], params: SamplingParams, body: dict[str
     options = _field(body, "stream_options", {})
     if options and not stream:
         raise RequestError("stream_options", "stream_options is only allowed with stream: true")
+    n = _field(body, "n", 1)
+    transfer = _kv_transfer_params(body)
+    if transfer is not None and n > 1:
+        # Each choice is an engine request of its own; one prefill hands over one request.
+        raise RequestError("kv_transfer_params", "kv_transfer_params (disaggregated prefill) "
+                           f"serves one choice: n must be 1, got {n}")
     return GenerationRequest(prompt_token_ids, params, stream,
-                             options.get("include_usage", False), echo_text, _field(body, "n", 1))
+                             options.get("include_usage", False), echo_text, n, transfer)
+
+
+def _is_block_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(b) and b >= 0 for b in value)
+
+
+def _is_port(value: Any) -> bool:
+    return _is_int(value) and 0 < value < 65536
+
+
+# vLLM's kv_transfer_params keys kvgraph's connectors read, each with its type: checked here,
+# since a wrong one would otherwise raise inside an engine step, failing every request in it.
+_TRANSFER_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "do_remote_decode": (lambda v: isinstance(v, bool), "a boolean"),
+    "do_remote_prefill": (lambda v: isinstance(v, bool), "a boolean"),
+    "remote_engine_id": (lambda v: isinstance(v, str), "a string"),
+    "remote_request_id": (lambda v: isinstance(v, str), "a string"),
+    "remote_host": (lambda v: isinstance(v, str) and bool(v), "a host name"),
+    "remote_port": (_is_port, "a TCP port (an integer in [1, 65535])"),
+    "remote_block_ids": (_is_block_ids, "a list of block ids (integers >= 0)"),
+}
+# What a decode request needs to find the prefill engine's blocks.
+_PULL_KEYS = ("remote_host", "remote_port", "remote_block_ids")
+
+
+def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`kv_transfer_params`: an object or null. Other keys pass through untouched (another
+    connector may read them); vLLM's proxies send the remote_* keys as null to a prefill."""
+    value = body.get("kv_transfer_params")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError("kv_transfer_params", "kv_transfer_params must be an object or "
+                           f"null, got {_shown(value)}")
+    for key, (check, expected) in _TRANSFER_KEYS.items():
+        if value.get(key) is not None and not check(value[key]):
+            raise RequestError("kv_transfer_params", f"kv_transfer_params.{key} must be "
+                               f"{expected}, got {_shown(value[key])}")
+    missing = [key for key in _PULL_KEYS if value.get("do_remote_prefill")
+               and value.get(key) is None]
+    if missing:
+        raise RequestError("kv_transfer_params", "kv_transfer_params with do_remote_prefill "
+                           f"needs {', '.join(missing)} (the prefill server's answer gives them)")
+    return value

@@ -67,7 +67,8 @@ class ResponseFormat:
                 "model": self.model, "choices": choices}
 
     def response(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
-        """The whole answer: every choice, in index order, and the token counts."""
+        """The whole answer: every choice, in index order, the token counts, and (vLLM's field,
+        null when none) what the KV connector answers for whoever continues the request."""
         kind = "chat.completion" if self.chat else "text_completion"
         body = self._object(kind, [self._choice(i, c.text, c.finish_reason, False, c.logprobs)
                                    for i, c in enumerate(choices)])
@@ -75,13 +76,20 @@ class ResponseFormat:
         # first choice's (the later ones, started after it, may find its blocks cached too).
         cached = choices[0].num_cached_tokens if choices else 0
         body["usage"] = _usage(prompt_tokens, sum(c.num_tokens for c in choices), cached)
+        # As vLLM: the first choice's (a request with kv_transfer_params has only one).
+        body["kv_transfer_params"] = choices[0].kv_transfer_params if choices else None
         return body
 
     def chunk(self, index: int, text: str, finish_reason: FinishReason | None,
-              logprobs: list[TokenLogprobs] | None = None) -> dict[str, Any]:
-        """One stream chunk: one token of choice `index`."""
-        return self._object(self._chunk_kind,
+              logprobs: list[TokenLogprobs] | None = None,
+              kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One stream chunk: one token of choice `index`; the chunk that ends a request the KV
+        connector answered for carries `kv_transfer_params` (no other chunk has the key)."""
+        body = self._object(self._chunk_kind,
                             [self._choice(index, text, finish_reason, True, logprobs)])
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        return body
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
                     ) -> dict[str, Any]:
@@ -104,6 +112,7 @@ class Choice:
     logprobs: list[TokenLogprobs] | None = None
     num_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt's, served from the prefix cache or a KV connector
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's answer, at the end
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0

@@ -59,5 +59,12 @@ def _torch_distributed() -> type[KVConnectorBase]:
     return TorchDistributedConnector
 
 
+def _mooncake() -> type[KVConnectorBase]:
+    from kvgraph.kv_transfer.mooncake import MooncakeConnector
+
+    return MooncakeConnector
+
+
 register_kv_connector("SharedStorageConnector", _shared_storage)
+register_kv_connector("MooncakeConnector", _mooncake)
 register_kv_connector("TorchDistributedConnector", _torch_distributed)

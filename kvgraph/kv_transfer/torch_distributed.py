@@ -1,279 +1,54 @@
-"""TorchDistributedConnector: prefill on one engine (P, `kv_producer`), decode on another (D,
-`kv_consumer`), the prompt's blocks pulled by D from P's cache over torch.distributed.
-
-vLLM's protocol, so a router written for it drives this: a request sent to P with
-`kv_transfer_params = {"do_remote_decode": true}` is prefilled there; when it ends, P keeps its
-blocks held and answers with `{"do_remote_prefill": true, "remote_engine_id", "remote_block_ids",
-"remote_host", "remote_port", "remote_request_id"}`; the same request sent to D with those
-parameters loads the prompt's full blocks from P (asynchronously: D's other requests step on)
-instead of computing them. P frees the blocks once D has them, or after `timeout_s`.
-
-D's worker joins P's side channel (`remote_host:remote_port`, P's `port` setting) once: the two
-compare cache fingerprints (a mismatched pair is refused, naming the difference) and open a
-BlockPair (a gloo group of two) that moves each pulled request's blocks straight from P's cache
-into D's. Settings (`kv_connector_extra_config`): `host` (default 127.0.0.1) and `port` (P's
-side channel, required on P), `timeout_s` (default 120).
-"""
+"""TorchDistributedConnector: disaggregated prefill (pair_connector.py) over torch.distributed:
+each D that pulls from a P joins it in a gloo group of two (a BlockPair), and P sends each
+pulled request's blocks straight from its cache into D's (NCCL or HCCL are the next step on
+devices)."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import logging
 import socket
-import threading
-import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-from kvgraph.errors import ConfigError
 from kvgraph.kv_cache.spec import KVCache
-from kvgraph.kv_transfer.base import (
-    ConnectorRequest,
-    KVConnectorBase,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    ScheduledChunk,
-)
 from kvgraph.kv_transfer.block_pair import RECEIVER, SENDER, BlockPair
-from kvgraph.kv_transfer.compatibility import check_compatible, kv_fingerprint
-from kvgraph.kv_transfer.config import KVTransferConfig
-from kvgraph.kv_transfer.side_channel import SideChannelServer, recv_message, send_message
-
-logger = logging.getLogger(__name__)
-
-SETTINGS = ("host", "port", "timeout_s", "model_key")
-# How long P waits for a pulled request's blocks to be reported held: D may ask before P's
-# next step has told its worker (the answer reached D through the router first).
-HELD_WAIT_S = 5.0
+from kvgraph.kv_transfer.pair_connector import PairConnector, PairTransport
 
 
-@dataclass(frozen=True)
-class RemotePull:
-    """D's blocks `local_block_ids` to fill from P's `remote_block_ids` of one request."""
+class GlooTransport:
+    """Two-sided: P sends, D receives, over a BlockPair per D (see PairTransport)."""
 
-    request_id: str
-    remote_request_id: str
-    remote_host: str
-    remote_port: int
-    remote_block_ids: tuple[int, ...]
-    local_block_ids: tuple[int, ...]
+    def __init__(self, kv_caches: dict[str, KVCache], host: str, timeout_s: float):
+        self.kv_caches, self.host, self.timeout_s = kv_caches, host, timeout_s
+        self.pairs: list[BlockPair] = []
 
+    def offer(self) -> dict[str, Any]:
+        with socket.create_server((self.host, 0)) as probe:  # a free port for the pair's store
+            return {"kind": "gloo", "host": self.host, "port": probe.getsockname()[1]}
 
-@dataclass
-class PairMetadata(KVConnectorMetadata):
-    pulls: list[RemotePull] = field(default_factory=list)  # D: start these
-    held: dict[str, float] = field(default_factory=dict)  # P: request -> deadline to free by
+    def accept(self, offer: dict[str, Any]) -> BlockPair:
+        return self._pair(offer, SENDER)
 
+    def serve_pull(self, handle: BlockPair, src: list[int], dst: list[int]) -> None:
+        handle.send(src, dst)
 
-class TorchDistributedConnector(KVConnectorBase):
-    """Both roles, on P and on D (see the module docstring)."""
+    def connect(self, offer: dict[str, Any]) -> BlockPair:
+        return self._pair(offer, RECEIVER)
 
-    layerwise = False
+    def pull(self, handle: BlockPair, src: list[int], dst: list[int]) -> None:
+        handle.recv(src, dst)
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, block_size: int,
-                 model_key: str | None = None, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(config, role, block_size)
-        self.check_config(config)
-        self.host = config.extra("host", "127.0.0.1")
-        self.port = config.extra("port", 0)
-        self.timeout_s = float(config.extra("timeout_s", 120.0))
-        self.model_key = model_key or config.extra("model_key") or ""
-        self.engine_id = uuid.uuid4().hex
-        self._tp = (tp_rank, tp_size)
-        # Scheduler side.
-        self._pending_pulls: list[RemotePull] = []
-        self._newly_held: dict[str, float] = {}
-        # Worker side (P: the side channel and what it may send; D: its pairs and pulls).
-        self._caches: dict[str, KVCache] = {}
-        self._lock = threading.Condition()
-        self._held: dict[str, float] = {}
-        self._sent: set[str] = set()
-        self._received: set[str] = set()
-        self._failed_blocks: set[int] = set()
-        self._server: SideChannelServer | None = None
-        self._peers: dict[tuple[str, int], tuple[socket.socket, BlockPair]] = {}
-        self._puller: concurrent.futures.ThreadPoolExecutor | None = None
-        self.counts = {"sent_blocks": 0, "received_blocks": 0, "expired_requests": 0,
-                       "failed_pulls": 0}
-
-    @classmethod
-    def check_config(cls, config: KVTransferConfig) -> None:
-        unknown = sorted(set(config.kv_connector_extra_config) - set(SETTINGS))
-        if unknown:
-            raise ConfigError("kv_connector_extra_config", f"TorchDistributedConnector: unknown "
-                              f"setting(s) {unknown}; valid: {list(SETTINGS)}")
-        port = config.extra("port", 0)
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
-            raise ConfigError("port", f"port: expected a TCP port, got {port!r}")
-        if config.is_producer and port == 0:
-            raise ConfigError("port", "TorchDistributedConnector: a producer (kv_producer or "
-                              "kv_both) needs a fixed side-channel port, which its answers "
-                              "give the decode engine: set kv_connector_extra_config.port")
-        timeout = config.extra("timeout_s", 120.0)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError("timeout_s", f"timeout_s: expected seconds > 0, got {timeout!r}")
-
-    # --- scheduler side ---------------------------------------------------------------------
-
-    def get_num_new_matched_tokens(self, request: ConnectorRequest, num_computed_tokens: int
-                                   ) -> tuple[int | None, bool]:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if not (self.config.is_consumer and params.get("do_remote_prefill")):
-            return 0, False
-        # Full blocks only, and never the last prompt token: its logits are sampled here.
-        usable = min(len(params.get("remote_block_ids", ())),
-                     (len(request.prompt_token_ids) - 1) // self.block_size)
-        tokens = usable * self.block_size - num_computed_tokens
-        if tokens <= 0 or num_computed_tokens % self.block_size:
-            return 0, False
-        return tokens, True
-
-    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
-                                 num_external_tokens: int) -> None:
-        if num_external_tokens <= 0:
-            return
-        params = request.kv_transfer_params
-        first = request.num_computed_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
-        self._pending_pulls.append(RemotePull(
-            request.request_id, params.get("remote_request_id", request.request_id),
-            params["remote_host"], int(params["remote_port"]),
-            tuple(params["remote_block_ids"][first:last]), tuple(block_ids[first:last])))
-
-    def build_connector_meta(self, scheduled: Sequence[ScheduledChunk]) -> PairMetadata:
-        metadata = PairMetadata(self._pending_pulls, self._newly_held)
-        self._pending_pulls, self._newly_held = [], {}
-        return metadata
-
-    def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]
-                         ) -> tuple[bool, dict[str, Any] | None]:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        if not (self.config.is_producer and params.get("do_remote_decode")) or not block_ids:
-            return False, None
-        full = len(request.prompt_token_ids) // self.block_size
-        self._newly_held[request.request_id] = time.monotonic() + self.timeout_s
-        return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
-                      "remote_block_ids": list(block_ids[:full]), "remote_host": self.host,
-                      "remote_port": self.port}
-
-    # --- worker side ------------------------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: dict[str, KVCache]) -> None:
-        self._caches = dict(kv_caches)
-        self.fingerprint = kv_fingerprint(self._caches, self.block_size, self.model_key,
-                                          *self._tp)
-        if self.config.is_producer:
-            self._server = SideChannelServer(self.host, self.port, self._serve_peer)
-            self.port = self._server.port
-
-    def _serve_peer(self, conn: socket.socket) -> None:
-        """P: one D's handshake, then its pulls, one at a time, until it leaves."""
-        hello = recv_message(conn)
-        try:
-            check_compatible(self.fingerprint, hello.get("fingerprint", {}), "the decode engine")
-        except ConfigError as error:
-            send_message(conn, {"error": str(error)})
-            return
-        with socket.create_server((self.host, 0)) as probe:
-            pair_port = probe.getsockname()[1]
-        send_message(conn, {"fingerprint": self.fingerprint, "pair_port": pair_port})
-        pair = BlockPair(self._caches, self.host, pair_port, SENDER, self.timeout_s)
-        while True:
-            pull = recv_message(conn)
-            request_id = pull["remote_request_id"]
-            with self._lock:
-                held = self._lock.wait_for(lambda: request_id in self._held, HELD_WAIT_S)
-            if not held:
-                send_message(conn, {"error": f"request {request_id} holds no blocks here "
-                                             "(freed after its timeout, or never prefilled)"})
-                continue
-            send_message(conn, {"ok": True})
-            pair.send(pull["src"], pull["dst"], pull["tag"])
-            with self._lock:
-                self._held.pop(request_id, None)
-                self._sent.add(request_id)
-                self.counts["sent_blocks"] += len(pull["src"])
-
-    def start_load_kv(self, attn_metadata: Any) -> None:
-        metadata = self.connector_metadata
-        now = time.monotonic()
-        with self._lock:
-            self._held.update(getattr(metadata, "held", {}))
-            self._lock.notify_all()
-            for request_id in [r for r, deadline in self._held.items() if deadline < now]:
-                del self._held[request_id]  # D never came: free the blocks, counted
-                self._sent.add(request_id)
-                self.counts["expired_requests"] += 1
-        for pull in getattr(metadata, "pulls", ()):
-            if self._puller is None:
-                self._puller = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="kvgraph-kv-pull")
-            self._puller.submit(self._pull, pull)
-
-    def _pull(self, pull: RemotePull) -> None:
-        """D: fetch one request's blocks; on any failure its blocks are reported failed."""
-        try:
-            conn, pair = self._peer(pull.remote_host, pull.remote_port)
-            send_message(conn, {"remote_request_id": pull.remote_request_id,
-                                "src": list(pull.remote_block_ids),
-                                "dst": list(pull.local_block_ids), "tag": 0})
-            answer = recv_message(conn)
-            if "error" in answer:
-                raise ConnectionError(answer["error"])
-            pair.recv(pull.remote_block_ids, pull.local_block_ids, 0)
-            failed: set[int] = set()
-        except (ConnectionError, OSError, ConfigError) as error:
-            self._peers.pop((pull.remote_host, pull.remote_port), None)
-            logger.warning(
-                "kvgraph: pulling request %s's KV blocks from %s:%d failed (%s); its prompt is "
-                "computed here instead", pull.request_id, pull.remote_host, pull.remote_port,
-                error)
-            failed = set(pull.local_block_ids)
-        with self._lock:
-            self._received.add(pull.request_id)
-            self._failed_blocks |= failed
-            self.counts["received_blocks"] += len(pull.local_block_ids) - len(failed)
-            self.counts["failed_pulls"] += bool(failed)
-
-    def _peer(self, host: str, port: int) -> tuple[socket.socket, BlockPair]:
-        """D: the side channel and block pair to P at `host:port`, joined (and checked) once."""
-        peer = self._peers.get((host, port))
-        if peer is None:
-            conn = socket.create_connection((host, port), timeout=self.timeout_s)
-            send_message(conn, {"fingerprint": self.fingerprint})
-            answer = recv_message(conn)
-            if "error" in answer:
-                conn.close()
-                raise ConfigError("kv_transfer_config", answer["error"])
-            check_compatible(self.fingerprint, answer["fingerprint"], "the prefill engine")
-            pair = BlockPair(self._caches, host, answer["pair_port"], RECEIVER, self.timeout_s)
-            peer = self._peers[(host, port)] = (conn, pair)
-        return peer
-
-    def get_finished(self, finished_req_ids: set[str]
-                     ) -> tuple[set[str] | None, set[str] | None]:
-        with self._lock:
-            sent, self._sent = self._sent, set()
-            received, self._received = self._received, set()
-        return sent or None, received or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._lock:
-            failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return dict(self.counts) if self.role is KVConnectorRole.WORKER else {}
+    def _pair(self, offer: dict[str, Any], role: str) -> BlockPair:
+        pair = BlockPair(self.kv_caches, offer["host"], offer["port"], role, self.timeout_s)
+        self.pairs.append(pair)
+        return pair
 
     def close(self) -> None:
-        if self._puller is not None:
-            self._puller.shutdown(wait=True)
-        if self._server is not None:
-            self._server.close()
-        for conn, pair in self._peers.values():
-            conn.close()
+        for pair in self.pairs:
             pair.close()
-        self._peers.clear()
+        self.pairs.clear()
+
+
+class TorchDistributedConnector(PairConnector):
+    """Disaggregated prefill over gloo (see the module docstring and pair_connector.py)."""
+
+    def new_transport(self, kv_caches: dict[str, KVCache]) -> PairTransport:
+        return GlooTransport(kv_caches, self.host, self.timeout_s)

@@ -15,20 +15,23 @@ import pytest
 from examples.engine import SamplingParams
 from kvgraph.kv_transfer import KVTransferConfig
 from tests.support.kv_engines import BLOCK_SIZE, GREEDY, PROMPTS, generate, make_kv_engine
+from tests.support.mooncake import require_mooncake
 from tests.support.scripts import free_port
 
 PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
-def producer(kind="llama", timeout_s=60.0, **kwargs):
+CONNECTORS = ["TorchDistributedConnector", "MooncakeConnector"]
+
+
+def producer(kind="llama", timeout_s=60.0, connector=CONNECTORS[0], **kwargs):
     port = free_port()
-    transfer = KVTransferConfig("TorchDistributedConnector", "kv_producer",
-                                {"port": port, "timeout_s": timeout_s})
+    transfer = KVTransferConfig(connector, "kv_producer", {"port": port, "timeout_s": timeout_s})
     return make_kv_engine(kind, "piecewise", transfer=transfer, **kwargs)
 
 
-def consumer(kind="llama", mode="full", **kwargs):
-    transfer = KVTransferConfig("TorchDistributedConnector", "kv_consumer", {"timeout_s": 20})
+def consumer(kind="llama", mode="full", connector=CONNECTORS[0], **kwargs):
+    transfer = KVTransferConfig(connector, "kv_consumer", {"timeout_s": 20})
     return make_kv_engine(kind, mode, transfer=transfer, **kwargs)
 
 
@@ -53,10 +56,13 @@ def decode(p, d, prompt, params):
     return request
 
 
+@pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize("kind", ["llama", "mla"])
-def test_decode_continues_from_the_prefill_engines_blocks(kind):
+def test_decode_continues_from_the_prefill_engines_blocks(kind, connector):
+    if connector == "MooncakeConnector":
+        require_mooncake()
     reference = generate(make_kv_engine(kind))
-    p, d = producer(kind), consumer(kind)
+    p, d = producer(kind, connector=connector), consumer(kind, connector=connector)
     free = p.allocator.num_free
     for prompt, expected in zip(PROMPTS, reference):
         params = prefill(p, prompt)
@@ -72,6 +78,7 @@ def test_decode_continues_from_the_prefill_engines_blocks(kind):
     assert stats["kv_connector_loaded_tokens"] == sum(pulled) * BLOCK_SIZE
     assert stats["prefix_cache_hit_tokens"] == 6 * BLOCK_SIZE
     assert stats["runner"]["kv_connector"]["failed_pulls"] == 0
+    assert p.stats()["runner"]["kv_connector"]["sent_blocks"] == sum(pulled)
     assert stats["runner"]["graph_mode"] == "full"  # a whole-request pull keeps full graphs
     d.runner.close()
     p.runner.close()

@@ -18,6 +18,7 @@ from kvgraph.errors import ConfigError
 from kvgraph.kv_transfer.block_pair import paired_runs
 from kvgraph.kv_transfer.compatibility import check_compatible, kv_fingerprint
 from tests.support.kv_pair_worker import caches
+from tests.support.mooncake import require_mooncake
 from tests.support.scripts import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -86,3 +87,47 @@ def test_a_model_or_layer_count_difference_is_named():
 
 def test_a_matching_pair_passes():
     check_compatible(fingerprint(), json.loads(json.dumps(fingerprint())), "decode")
+
+
+@pytest.mark.parametrize("kind", ["standard", "mla"])
+def test_mooncake_reads_each_run_straight_from_one_cache_into_the_other(kind):
+    require_mooncake()
+    from kvgraph.kv_transfer.mooncake import MooncakeTransport
+
+    sender, receiver = caches(kind, seed=1), caches(kind, seed=2)
+    before = {n: tuple(t.clone() for t in cache) for n, cache in receiver.items()}
+    prefill, decode = (MooncakeTransport(c, "127.0.0.1") for c in (sender, receiver))
+    reads = []
+    decode.engine = RecordingEngine(decode.engine, reads)
+    src, dst = [3, 4, 5, 9, 12], [10, 11, 2, 3, 0]
+    decode.pull(decode.connect(prefill.offer()), src, dst)
+    for name in sender:
+        for got, sent, old in zip(receiver[name], sender[name], before[name]):
+            assert torch.equal(got[dst], sent[src])
+            untouched = [b for b in range(got.shape[0]) if b not in dst]
+            assert torch.equal(got[untouched], old[untouched])
+    # One read per run and tensor, each range inside a tensor of the caches: nothing staged.
+    (local, remote, lengths), = reads
+    assert len(local) == len(paired_runs(src, dst)) * 6
+    assert all(within(address, length, receiver) for address, length in zip(local, lengths))
+    assert all(within(address, length, sender) for address, length in zip(remote, lengths))
+    prefill.close(), decode.close()
+
+
+class RecordingEngine:
+    """Mooncake's engine (its methods cannot be patched), recording each batch read."""
+
+    def __init__(self, engine, reads: list):
+        self.engine, self.reads = engine, reads
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def batch_transfer_sync_read(self, session, local, remote, lengths):
+        self.reads.append((local, remote, lengths))
+        return self.engine.batch_transfer_sync_read(session, local, remote, lengths)
+
+
+def within(address: int, length: int, kv_caches: dict) -> bool:
+    return any(t.data_ptr() <= address and address + length <= t.data_ptr() + t.numel()
+               * t.element_size() for cache in kv_caches.values() for t in cache)

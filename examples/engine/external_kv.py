@@ -58,17 +58,18 @@ class ExternalKV:
 
     def loaded_tokens(self, request: Request, first_token: int, num_tokens: int,
                       failed_blocks: set[int]) -> int:
-        """Of the `num_tokens` loaded into `request` from its `first_token` on, those before
-        its first failed block (all of them when none failed)."""
+        """Of the `num_tokens` loaded into `request` from its `first_token` on (block-aligned;
+        the last block may be partial), those before its first failed block (all of them when
+        none failed)."""
         first = first_token // self.block_size
-        blocks = request.block_ids[first:first + num_tokens // self.block_size]
+        blocks = request.block_ids[first:-(-(first_token + num_tokens) // self.block_size)]
         good = next((i for i, b in enumerate(blocks) if b in failed_blocks), len(blocks))
-        lost = num_tokens - good * self.block_size
-        self.num_loaded_tokens -= lost
+        kept = min(num_tokens, good * self.block_size)
+        self.num_loaded_tokens -= num_tokens - kept
         self.num_failed_blocks += len(blocks) - good
         if request.num_cached_tokens is not None:
-            request.num_cached_tokens -= lost
-        return good * self.block_size
+            request.num_cached_tokens -= num_tokens - kept
+        return kept
 
     def rolled_back(self, request: Request, failed_blocks: set[int]) -> bool:
         """Whether `request` holds a block that failed to load in this step; if so its computed

@@ -149,10 +149,11 @@ class PairConnector(KVConnectorBase):
         params = getattr(request, "kv_transfer_params", None) or {}
         if not (self.config.is_consumer and params.get("do_remote_prefill")):
             return 0, False
-        # Full blocks only, and never the last prompt token: its logits are sampled here.
-        usable = min(len(params.get("remote_block_ids", ())),
-                     (len(request.prompt_token_ids) - 1) // self.block_size)
-        tokens = usable * self.block_size - num_computed_tokens
+        # Every prompt token but the last, partial block included: the last is computed here,
+        # as vLLM's decode engine does, for the logits it samples the next token from.
+        usable = min(len(params.get("remote_block_ids", ())) * self.block_size,
+                     len(request.prompt_token_ids) - 1)
+        tokens = usable - num_computed_tokens
         if tokens <= 0 or num_computed_tokens % self.block_size:
             return 0, False
         return tokens, True
@@ -163,7 +164,7 @@ class PairConnector(KVConnectorBase):
             return
         params = request.kv_transfer_params
         first = request.num_computed_tokens // self.block_size
-        last = first + num_external_tokens // self.block_size
+        last = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
         self._pending_pulls.append(RemotePull(
             request.request_id, params.get("remote_request_id", request.request_id),
             params["remote_host"], int(params["remote_port"]),
@@ -179,11 +180,12 @@ class PairConnector(KVConnectorBase):
         params = getattr(request, "kv_transfer_params", None) or {}
         if not (self.config.is_producer and params.get("do_remote_decode")) or not block_ids:
             return False, None
-        full = len(request.prompt_token_ids) // self.block_size
+        prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
         self._newly_held[request.request_id] = time.monotonic() + self.timeout_s
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
-                      "remote_block_ids": list(block_ids[:full]), "remote_host": self.host,
+                      "remote_block_ids": list(block_ids[:prompt_blocks]),
+                      "remote_host": self.host,
                       "remote_port": self.port}
 
     # --- worker side ------------------------------------------------------------------------

@@ -68,15 +68,17 @@ def test_decode_continues_from_the_prefill_engines_blocks(kind, connector):
         params = prefill(p, prompt)
         request = decode(p, d, prompt, params)
         assert tuple(request.output_token_ids) == expected
-        loaded = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
-        assert request.num_cached_tokens == loaded
+        # D computed one prompt token, the last (its logits give the next token).
+        assert request.num_cached_tokens == len(prompt) - 1
     assert p.allocator.num_free == free  # every held block freed once D had it
     stats = d.stats()
     # The second prompt found the common prefix (6 blocks) in D's own prefix cache: only the
-    # blocks after it came from P.
-    pulled = [(len(PROMPTS[0]) - 1) // BLOCK_SIZE, (len(PROMPTS[1]) - 1) // BLOCK_SIZE - 6]
-    assert stats["kv_connector_loaded_tokens"] == sum(pulled) * BLOCK_SIZE
+    # blocks after it came from P, the partial last one included.
+    loaded = [len(PROMPTS[0]) - 1, len(PROMPTS[1]) - 1 - 6 * BLOCK_SIZE]
+    assert stats["kv_connector_loaded_tokens"] == sum(loaded)
     assert stats["prefix_cache_hit_tokens"] == 6 * BLOCK_SIZE
+    pulled = [-(-(len(PROMPTS[0]) - 1) // BLOCK_SIZE),
+              -(-(len(PROMPTS[1]) - 1) // BLOCK_SIZE) - 6]
     assert stats["runner"]["kv_connector"]["failed_pulls"] == 0
     assert p.stats()["runner"]["kv_connector"]["sent_blocks"] == sum(pulled)
     assert stats["runner"]["graph_mode"] == "full"  # a whole-request pull keeps full graphs

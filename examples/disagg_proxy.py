@@ -28,6 +28,7 @@ Needs fastapi, uvicorn and httpx, imported once the flags are parsed (`--help` n
 them); not torch. A mistake in the flags is one line on stderr and exit status 2.
 """
 
+# No `from __future__ import annotations`: FastAPI must see the routes' `Request` class.
 import argparse
 import itertools
 import json

@@ -2,11 +2,11 @@
 from the server's pipe between steps and sending back each step's outputs in one message.
 
 Messages to the engine: `(ADD, request_id, prompt_token_ids, params[, kv_transfer_params])`,
-`(ABORT, request_id)`, `(STOP,)`. From it: `(READY, EngineInfo)` or `(FAILED, why)` once, at start-up; then
-`(OUTPUTS, [RequestOutput...], stats or None)` after each step, `(REFUSED, request_id, param,
-message, status)` for a request the engine will not run, `(STEP_FAILED, [request_id...], why)`
-when a step raised (those requests end), `(FATAL, why)` when the engine cannot step again, and
-`(STOPPED,)` last. Errors travel as their fields: RequestError's constructor does not take
+`(ABORT, request_id)`, `(STOP,)`. From it: `(READY, EngineInfo)` or `(FAILED, why)` once, at
+start-up; then `(OUTPUTS, [RequestOutput...], stats or None)` after each step, `(REFUSED,
+request_id, param, message, status)` for a request the engine will not run, `(STEP_FAILED,
+[request_id...], why)` when a step raised (those requests end), `(FATAL, why)` when the engine
+cannot step again, and `(STOPPED,)` last. Errors travel as their fields: RequestError's constructor does not take
 what pickling would give it.
 """
 

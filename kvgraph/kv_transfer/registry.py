@@ -65,6 +65,13 @@ def _mooncake() -> type[KVConnectorBase]:
     return MooncakeConnector
 
 
+def _nixl() -> type[KVConnectorBase]:
+    from kvgraph.kv_transfer.nixl import NixlConnector
+
+    return NixlConnector
+
+
 register_kv_connector("SharedStorageConnector", _shared_storage)
+register_kv_connector("NixlConnector", _nixl)
 register_kv_connector("MooncakeConnector", _mooncake)
 register_kv_connector("TorchDistributedConnector", _torch_distributed)

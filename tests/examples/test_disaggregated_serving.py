@@ -11,15 +11,19 @@ computes: `P - 1`); stand-in servers record what the proxy sends them.
 from __future__ import annotations
 
 import json
+import re
+import socket
+import types
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from examples.disagg_proxy import build_app  # noqa: E402
+from examples.disagg_proxy import build_app, build_parser  # noqa: E402
 from examples.engine.errors import RequestError  # noqa: E402
 from examples.engine.protocol import parse_chat, parse_completion  # noqa: E402
+from tests.examples.test_fail_fast import refused, run  # noqa: E402
 from tests.examples.test_serve_kv_connector import settled_metrics  # noqa: E402
 from tests.support.disaggregated import Upstream, launched, serving_apps  # noqa: E402
 from tests.support.scripts import free_port  # noqa: E402
@@ -50,26 +54,21 @@ def transfer_config(role: str, **settings) -> str:
 
 # --- the protocol: kv_transfer_params checked before anything runs ---------------------------
 
-class ChatTokenizer:
-    def encode_chat(self, messages):
-        return [1, 2, 3]
-
-
 def parse(body: dict, chat: bool = False):
     if chat:
-        return parse_chat({"messages": [{"role": "user", "content": "hi"}], **body},
-                          ChatTokenizer())
+        tokenizer = types.SimpleNamespace(encode_chat=lambda messages: [1, 2, 3])
+        return parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, tokenizer)
     return parse_completion({"prompt": [5, 6, 7], **body}, tokenizer=None)
 
 
 @pytest.mark.parametrize("value", ["do_remote_decode", [], 1, True, 0.5])
 @pytest.mark.parametrize("chat", [False, True])
 def test_kv_transfer_params_that_is_not_an_object_is_refused_naming_it(value, chat):
-    with pytest.raises(RequestError) as refused:
+    with pytest.raises(RequestError) as error:
         parse({"kv_transfer_params": value}, chat)
-    assert refused.value.param == "kv_transfer_params" and refused.value.status == 400
-    assert str(refused.value) == (f"kv_transfer_params must be an object or null, got "
-                                  f"{json.dumps(value)}")
+    assert error.value.param == "kv_transfer_params" and error.value.status == 400
+    assert str(error.value) == (f"kv_transfer_params must be an object or null, got "
+                                f"{json.dumps(value)}")
 
 
 @pytest.mark.parametrize("params, wrong", [
@@ -82,16 +81,16 @@ def test_kv_transfer_params_that_is_not_an_object_is_refused_naming_it(value, ch
     ({"remote_host": ""}, "remote_host"), ({"remote_request_id": 7}, "remote_request_id"),
 ])
 def test_a_key_the_connector_reads_must_have_its_type(params, wrong):
-    with pytest.raises(RequestError) as refused:
+    with pytest.raises(RequestError) as error:
         parse({"kv_transfer_params": params})
-    assert refused.value.param == "kv_transfer_params"
-    assert str(refused.value).startswith(f"kv_transfer_params.{wrong} must be ")
+    assert error.value.param == "kv_transfer_params"
+    assert str(error.value).startswith(f"kv_transfer_params.{wrong} must be ")
 
 
 def test_a_decode_request_must_say_where_the_blocks_are():
-    with pytest.raises(RequestError) as refused:
+    with pytest.raises(RequestError) as error:
         parse({"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "h"}})
-    assert "needs remote_port, remote_block_ids" in str(refused.value)
+    assert "needs remote_port, remote_block_ids" in str(error.value)
 
 
 def test_objects_pass_through_and_null_means_none():
@@ -106,10 +105,9 @@ def test_objects_pass_through_and_null_means_none():
 
 def test_kv_transfer_params_serves_one_choice():
     assert parse({"n": 3, "kv_transfer_params": None}).n == 3
-    with pytest.raises(RequestError) as refused:
+    with pytest.raises(RequestError) as error:
         parse({"n": 2, "kv_transfer_params": {"do_remote_decode": True}})
-    assert refused.value.param == "kv_transfer_params" and "n must be 1, got 2" in str(
-        refused.value)
+    assert error.value.param == "kv_transfer_params" and "n must be 1, got 2" in str(error.value)
 
 
 # --- a prefill server: the connector's answer in the response --------------------------------
@@ -143,9 +141,9 @@ def test_a_prefill_server_answers_where_the_prompts_blocks_are(engine_loop):
         plain = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1},
                            timeout=60).json()
         assert "kv_transfer_params" in plain and plain["kv_transfer_params"] is None
-        refused = httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, timeout=60)
-        assert refused.status_code == 400
-        assert refused.json()["error"]["param"] == "kv_transfer_params"
+        many = httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, timeout=60)
+        assert many.status_code == 400
+        assert many.json()["error"]["param"] == "kv_transfer_params"
         # Nobody came for the blocks: freed after timeout_s.
         health = wait_for_free_blocks(url)
         assert health["kv_blocks_free"] == health["kv_blocks_total"]
@@ -218,6 +216,39 @@ def test_the_proxy_takes_its_servers_in_turn():
         "0", "2"]
     assert [b["prompt"] for _, b in p2.received] == [b["prompt"] for _, b in d2.received] == [
         "1", "3"]
+
+
+# --- the proxy's command line ----------------------------------------------------------------
+
+def test_every_proxy_flag_says_what_it_is_for():
+    parser = build_parser()
+    assert all(action.help.strip() for action in parser._actions)
+    assert "--prefill URL" in parser.format_help()
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--decode", "http://h:1"], "the following arguments are required: --prefill"),
+    (["--prefill", "h:8100", "--decode", "http://h:1"], "argument --prefill: expected a "
+     "server's root URL such as http://127.0.0.1:8100 (no path), got 'h:8100'"),
+    (["--prefill", "http://h:1", "--decode", "http://h:1/v1"], "argument --decode: expected "
+     "a server's root URL such as http://127.0.0.1:8100 (no path), got 'http://h:1/v1'"),
+    (["--prefill", "http://h:1", "--decode", "http://h:2", "--timeout", "nan"],
+     "argument --timeout: must lie in [0.001, 86400], got nan"),
+])
+def test_a_mistake_in_the_proxys_flags_is_one_line(flags, line):
+    assert refused("disagg_proxy.py", *flags) == line
+
+
+def test_a_port_in_use_is_one_line_and_the_proxy_never_imports_torch():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run(["-X", "importtime", "examples/disagg_proxy.py", "--prefill", "http://h:1",
+                      "--decode", "http://h:2", "--port", str(port)])
+    assert result.returncode == 2
+    assert f"disagg_proxy.py: error: --host 127.0.0.1 --port {port}: cannot listen there" in (
+        result.stderr)
+    assert re.search(r"\|\s+fastapi\s*$", result.stderr, re.MULTILINE)  # it got that far
+    assert not re.search(r"\|\s+torch\s*$", result.stderr, re.MULTILINE)
 
 
 # --- P, D and the proxy as a user runs them ---------------------------------------------------

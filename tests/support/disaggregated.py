@@ -6,8 +6,6 @@ prefill or decode server, serving a canned answer and recording the bodies it wa
 proxy's requests can be checked without a model.
 """
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os
@@ -70,6 +68,8 @@ class Upstream:
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def app(self) -> Any:
+        # Imported here, and this module takes no `from __future__ import annotations`:
+        # FastAPI must see the routes' `Request` annotation as the class itself.
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse, Response, StreamingResponse
 

@@ -15,13 +15,14 @@ import pytest
 from examples.engine import SamplingParams
 from kvgraph.kv_transfer import KVTransferConfig
 from tests.support.kv_engines import BLOCK_SIZE, GREEDY, PROMPTS, generate, make_kv_engine
-from tests.support.mooncake import require_mooncake
+from tests.support.transfer_engines import require_mooncake, require_nixl
 from tests.support.scripts import free_port
 
 PREFILL_ONLY = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
-CONNECTORS = ["TorchDistributedConnector", "MooncakeConnector"]
+CONNECTORS = ["TorchDistributedConnector", "MooncakeConnector", "NixlConnector"]
+REQUIRE = {"MooncakeConnector": require_mooncake, "NixlConnector": require_nixl}
 
 
 def producer(kind="llama", timeout_s=60.0, connector=CONNECTORS[0], **kwargs):
@@ -59,8 +60,7 @@ def decode(p, d, prompt, params):
 @pytest.mark.parametrize("connector", CONNECTORS)
 @pytest.mark.parametrize("kind", ["llama", "mla"])
 def test_decode_continues_from_the_prefill_engines_blocks(kind, connector):
-    if connector == "MooncakeConnector":
-        require_mooncake()
+    REQUIRE.get(connector, lambda: None)()
     reference = generate(make_kv_engine(kind))
     p, d = producer(kind, connector=connector), consumer(kind, connector=connector)
     free = p.allocator.num_free

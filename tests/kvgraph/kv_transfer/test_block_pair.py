@@ -18,7 +18,7 @@ from kvgraph.errors import ConfigError
 from kvgraph.kv_transfer.block_pair import paired_runs
 from kvgraph.kv_transfer.compatibility import check_compatible, kv_fingerprint
 from tests.support.kv_pair_worker import caches
-from tests.support.mooncake import require_mooncake
+from tests.support.transfer_engines import require_mooncake, require_nixl
 from tests.support.scripts import free_port
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -131,3 +131,21 @@ class RecordingEngine:
 def within(address: int, length: int, kv_caches: dict) -> bool:
     return any(t.data_ptr() <= address and address + length <= t.data_ptr() + t.numel()
                * t.element_size() for cache in kv_caches.values() for t in cache)
+
+
+@pytest.mark.parametrize("kind", ["standard", "mla"])
+def test_nixl_reads_each_run_into_place(kind):
+    require_nixl()
+    from kvgraph.kv_transfer.nixl import NixlTransport
+
+    sender, receiver = caches(kind, seed=1), caches(kind, seed=2)
+    before = {n: tuple(t.clone() for t in cache) for n, cache in receiver.items()}
+    prefill, decode = NixlTransport(sender, 30), NixlTransport(receiver, 30)
+    src, dst = [3, 4, 5, 9, 12], [10, 11, 2, 3, 0]
+    decode.pull(decode.connect(prefill.offer()), src, dst)
+    for name in sender:
+        for got, sent, old in zip(receiver[name], sender[name], before[name]):
+            assert torch.equal(got[dst], sent[src])
+            untouched = [b for b in range(got.shape[0]) if b not in dst]
+            assert torch.equal(got[untouched], old[untouched])
+    prefill.close(), decode.close()

@@ -128,3 +128,17 @@ def test_kv_connector_times_each_way_to_a_first_token_and_counts_the_hooks(tmp_p
     assert hooks["hook_calls_on"] == 2 * hooks["layers"] * 4 and hooks["hook_calls_off"] == 0
     assert_measured([hooks["hooks_us_per_layer"], hooks["step_wrapper_us"]])
     assert (tmp_path / "kv.json").is_file() and len(payload["samples"]) == 2
+
+
+def test_transfer_bandwidth_times_each_transport_against_memcpy(tmp_path):
+    from examples.benchmarks import transfer_bandwidth
+
+    payload = transfer_bandwidth.main([
+        "--layers", "2", "--blocks", "32", "--pull", "8", "--rounds", "1",
+        "--json", str(tmp_path / "bw.json")])
+    # Every transport ran, or says why it could not (an engine that does not import).
+    assert set(payload["rows"]) | set(payload["skipped"]) == {"memcpy", "gloo", "mooncake",
+                                                              "nixl"}
+    assert "gloo" in payload["rows"] and "memcpy" in payload["rows"]
+    assert_measured(row["ms"] for row in payload["rows"].values())
+    assert payload["bytes"] == 8 * 2 * 2 * 16 * 8 * 64 * 2  # blocks x layers x (k, v) x bf16

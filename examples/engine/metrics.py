@@ -129,6 +129,14 @@ def _kv_connector_metrics(stats: dict[str, Any], worker: dict[str, Any]) -> Iter
                    worker.get("save_failures", 0))
     yield _gauge("kvgraph_kv_connector_store_bytes", "Bytes of KV blocks in a connector's store",
                  worker.get("store_bytes", 0))
+    # Disaggregated prefill: a prefill server's blocks sent and its requests no one pulled; a
+    # decode server's pulls that failed (their prompts computed instead).
+    yield _counter("kvgraph_kv_connector_sent_blocks", "KV blocks a prefill server sent to "
+                   "decode servers", worker.get("sent_blocks", 0))
+    yield _counter("kvgraph_kv_connector_expired_requests", "Prefilled requests whose blocks "
+                   "no decode server pulled before the timeout", worker.get("expired_requests", 0))
+    yield _counter("kvgraph_kv_connector_failed_pulls", "Pulls of a request's blocks that "
+                   "failed", worker.get("failed_pulls", 0))
 
 
 def _verify_metrics(verify: dict[str, Any]) -> Iterator[Any]:

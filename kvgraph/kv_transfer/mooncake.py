@@ -32,6 +32,11 @@ def _import_engine():
     return TransferEngine
 
 
+# Reads per batch: Mooncake 0.3.13 fails a batch of 4,096 (2,048 pass); runs of many layers'
+# tensors reach that with a few hundred scattered blocks.
+MAX_BATCH = 1024
+
+
 class MooncakeTransport:
     """One-sided reads of registered caches (see PairTransport and the module docstring)."""
 
@@ -73,9 +78,13 @@ class MooncakeTransport:
                 local.append(tensor.data_ptr() + first_dst * _block_bytes(tensor))
                 remote.append(base + first_src * stride)
                 lengths.append(count * _block_bytes(tensor))
-        status = self.engine.batch_transfer_sync_read(handle["session"], local, remote, lengths)
-        if status != 0:
-            raise ConnectionError(f"Mooncake's read from {handle['session']} failed ({status})")
+        for start in range(0, len(local), MAX_BATCH):
+            part = slice(start, start + MAX_BATCH)
+            status = self.engine.batch_transfer_sync_read(handle["session"], local[part],
+                                                          remote[part], lengths[part])
+            if status != 0:
+                raise ConnectionError(f"Mooncake's read from {handle['session']} failed "
+                                      f"({status})")
 
     def close(self) -> None:
         for address in self.registered:

@@ -110,6 +110,7 @@ class PairConnector(KVConnectorBase):
         self._tp = (tp_rank, tp_size)
         # Scheduler side.
         self._pending_pulls: list[RemotePull] = []
+        self._released: set[str] = set()  # requests D told P it needs nothing of
         self._newly_held: dict[str, float] = {}
         # Worker side (P: the side channel and what it may send; D: its pairs and pulls).
         self._caches: dict[str, KVCache] = {}
@@ -155,13 +156,25 @@ class PairConnector(KVConnectorBase):
                      len(request.prompt_token_ids) - 1)
         tokens = usable - num_computed_tokens
         if tokens <= 0 or num_computed_tokens % self.block_size:
+            self._release(request)  # nothing to pull (its own cache has it): P may free now
             return 0, False
         return tokens, True
+
+    def _release(self, request: ConnectorRequest) -> None:
+        """Tell P, with a pull of no blocks, that D needs none of `request`'s (once)."""
+        if request.request_id in self._released:
+            return
+        self._released.add(request.request_id)
+        params = request.kv_transfer_params
+        self._pending_pulls.append(RemotePull(
+            request.request_id, params.get("remote_request_id", request.request_id),
+            params["remote_host"], int(params["remote_port"]), (), ()))
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: Sequence[int],
                                  num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
+        self._released.add(request.request_id)  # the pull tells P when it may free
         params = request.kv_transfer_params
         first = request.num_computed_tokens // self.block_size
         last = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
@@ -178,6 +191,9 @@ class PairConnector(KVConnectorBase):
     def request_finished(self, request: ConnectorRequest, block_ids: Sequence[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         params = getattr(request, "kv_transfer_params", None) or {}
+        if self.config.is_consumer and params.get("do_remote_prefill"):
+            self._release(request)  # ended before pulling (aborted): P need not wait
+            self._released.discard(request.request_id)
         if not (self.config.is_producer and params.get("do_remote_decode")) or not block_ids:
             return False, None
         prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
@@ -220,7 +236,8 @@ class PairConnector(KVConnectorBase):
                                              "(freed after its timeout, or never prefilled)"})
                 continue
             send_message(conn, {"ok": True})
-            self._transport.serve_pull(handle, pull["src"], pull["dst"])
+            if pull["src"]:
+                self._transport.serve_pull(handle, pull["src"], pull["dst"])
             done = recv_message(conn)  # D has the blocks (or gave up): they may be freed
             with self._lock:
                 self._held.pop(request_id, None)
@@ -255,8 +272,9 @@ class PairConnector(KVConnectorBase):
                 raise ConnectionError(answer["error"])
             pulled = False
             try:
-                self._transport.pull(handle, list(pull.remote_block_ids),
-                                     list(pull.local_block_ids))
+                if pull.local_block_ids:
+                    self._transport.pull(handle, list(pull.remote_block_ids),
+                                         list(pull.local_block_ids))
                 pulled = True
             finally:  # P frees the blocks either way: a failed pull is computed here
                 send_message(conn, {"done": pull.remote_request_id, "ok": pulled})

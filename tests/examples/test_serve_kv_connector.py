@@ -187,7 +187,8 @@ def test_an_unknown_connector_is_refused_before_the_model_loads(script, tmp_path
     """Preflight asks the registry: exit 2 with one line naming the connector, nothing built."""
     line = refused(script, "--kv-transfer-config", transfer_config(tmp_path, "NoSuchConnector"))
     assert line == ("--kv-transfer-config: unknown kv_connector 'NoSuchConnector'; registered: "
-                    "['SharedStorageConnector'] (register_kv_connector adds one)")
+                    "['MooncakeConnector', 'NixlConnector', 'SharedStorageConnector', "
+                    "'TorchDistributedConnector'] (register_kv_connector adds one)")
 
 
 def test_shared_storage_settings_are_checked_before_the_model_loads(tmp_path):

@@ -123,3 +123,20 @@ def test_blocks_are_freed_after_the_timeout_when_decode_never_comes():
     assert p.allocator.num_free == free
     assert p.stats()["runner"]["kv_connector"]["expired_requests"] == 1
     p.runner.close()
+
+
+def test_a_request_aborted_on_decode_frees_its_blocks_on_prefill_at_once():
+    p, d = producer(timeout_s=60.0), consumer()
+    free = p.allocator.num_free
+    params = prefill(p, PROMPTS[0])
+    request = d.add_request(PROMPTS[0], GREEDY, kv_transfer_params=params)
+    assert d.abort(request.request_id)
+    deadline = time.monotonic() + 20  # far below P's timeout: D told P it needs nothing
+    while p.has_unfinished or d.has_unfinished:
+        assert time.monotonic() < deadline
+        d.step()
+        p.step()
+    assert p.allocator.num_free == free
+    assert p.stats()["runner"]["kv_connector"]["expired_requests"] == 0
+    d.runner.close()
+    p.runner.close()

@@ -70,11 +70,14 @@ def test_bad_config_names_its_setting(text):
 
 def test_unknown_connector_lists_the_registered_ones():
     """A name no one registered is refused with the names that are."""
-    config = KVTransferConfig("NixlConnector")
+    config = KVTransferConfig("NoSuchConnector")
     with pytest.raises(ConfigError) as info:
         create_kv_connector(config, KVConnectorRole.WORKER, 16)
     assert info.value.field == "kv_connector"
-    assert "'NixlConnector'" in str(info.value) and "SharedStorageConnector" in str(info.value)
+    assert "'NoSuchConnector'" in str(info.value)
+    for name in ("SharedStorageConnector", "TorchDistributedConnector", "MooncakeConnector",
+                 "NixlConnector"):
+        assert name in str(info.value)
 
 
 def test_module_path_that_cannot_be_imported(tmp_path):

@@ -5,7 +5,7 @@ Two caches of a model's shape (--layers layers of (key, value), --blocks blocks 
 (scattered, so runs are short, or --contiguous) from the sender: over gloo (BlockPair: P sends,
 D receives), Mooncake's Transfer Engine over TCP and NIXL over UCX (D reads; each skipped with
 its reason where it does not import). The reference is a memcpy of the same bytes in one
-process (`index_copy_` of the same blocks between two tensors). Rounds alternate the
+process (one `copy_` per run of blocks and tensor, as the transports move them). Rounds alternate the
 transports; medians. Prints a table and writes JSON.
 
     python -m examples.benchmarks.transfer_bandwidth [--pull 512] [--rounds 5]
@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from examples.benchmarks.timing import machine, write_json
+from kvgraph.kv_transfer.block_pair import paired_runs
 
 TRANSPORTS = ("gloo", "mooncake", "nixl")
 
@@ -102,15 +103,17 @@ def time_transport(kind: str, args: argparse.Namespace, pulls: list) -> list[flo
 
 
 def memcpy_seconds(args: argparse.Namespace, pulls: list) -> list[float]:
+    """The same runs copied between two caches in one process: one `copy_` per run and tensor."""
     torch.set_num_threads(1)
     src_caches, dst_caches = caches(args), caches(args)
     seconds = []
     for src, dst in pulls:
-        src_ids, dst_ids = torch.tensor(src), torch.tensor(dst)
+        runs = paired_runs(src, dst)
         start = time.perf_counter()
         for name, cache in src_caches.items():
             for s, d in zip(cache, dst_caches[name]):
-                d.index_copy_(0, dst_ids, s.index_select(0, src_ids))
+                for first_src, first_dst, count in runs:
+                    d[first_dst:first_dst + count].copy_(s[first_src:first_src + count])
         seconds.append(time.perf_counter() - start)
     return seconds
 

@@ -20,7 +20,8 @@ from kvgraph.errors import ConfigError
 from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.block_pair import paired_runs
 from kvgraph.kv_transfer.config import KVTransferConfig
-from kvgraph.kv_transfer.pair_connector import PairConnector, PairTransport
+from kvgraph.kv_transfer.pair_connector import PairConnector
+from kvgraph.kv_transfer.pair_transport import PairTransport
 
 
 def _import_agent():

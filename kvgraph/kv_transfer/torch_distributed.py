@@ -10,7 +10,8 @@ from typing import Any
 
 from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.block_pair import RECEIVER, SENDER, BlockPair
-from kvgraph.kv_transfer.pair_connector import PairConnector, PairTransport
+from kvgraph.kv_transfer.pair_connector import PairConnector
+from kvgraph.kv_transfer.pair_transport import PairTransport
 
 
 class GlooTransport:

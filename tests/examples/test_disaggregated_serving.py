@@ -25,6 +25,7 @@ from examples.engine.errors import RequestError  # noqa: E402
 from examples.engine.protocol import parse_chat, parse_completion  # noqa: E402
 from tests.examples.test_fail_fast import refused, run  # noqa: E402
 from tests.examples.test_serve_kv_connector import settled_metrics  # noqa: E402
+from tests.support.openai_answers import MAX_TOKENS, MESSAGES, ask
 from tests.support.disaggregated import Upstream, launched, serving_apps  # noqa: E402
 from tests.support.scripts import free_port  # noqa: E402
 from tests.support.servers import serving, wait_for_free_blocks  # noqa: E402
@@ -32,9 +33,6 @@ from tests.support.servers import serving, wait_for_free_blocks  # noqa: E402
 BLOCK = 16
 SERVE_FLAGS = ["--graph-mode", "eager", "--block-size", str(BLOCK), "--max-num-seqs", "4",
                "--max-model-len", "256"]
-PROMPT = "the quick brown fox jumps over the lazy dog, paged attention keeps blocks " * 4
-MESSAGES = [{"role": "user", "content": "hello world, hello graphs; " * 5}]
-MAX_TOKENS = 8
 
 
 def offered_blocks(prompt_tokens: int) -> int:
@@ -252,22 +250,6 @@ def test_a_port_in_use_is_one_line_and_the_proxy_never_imports_torch():
 
 
 # --- P, D and the proxy as a user runs them ---------------------------------------------------
-
-def ask(url: str):
-    """The prompt's greedy completion and the messages' streamed chat (its text and usage),
-    through the official client."""
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-    model = client.models.list().data[0].id
-    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                           temperature=0, extra_body={"ignore_eos": True})
-    chunks = list(client.chat.completions.create(
-        model=model, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert not chunks[-1].choices and all(c.usage is None for c in chunks[:-1])
-    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
-    return completion, text, chunks[-1].usage
-
 
 @pytest.mark.slow
 def test_the_proxy_over_p_and_d_answers_as_one_colocated_server(checkpoint, tmp_path):

@@ -11,27 +11,23 @@ token, whose logits it must compute (`(P - 1) // BLOCK`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from tests.examples.test_fail_fast import refused
-from tests.support.scripts import REPO, SCRIPT_ENV, free_port
+from tests.support.disaggregated import launched
+from tests.support.openai_answers import MAX_TOKENS, ask
+from tests.support.scripts import REPO, SCRIPT_ENV
 
 BLOCK = 16
 SERVE_FLAGS = ["--graph-mode", "eager", "--block-size", str(BLOCK), "--max-num-seqs", "4",
                "--max-model-len", "256"]
-PROMPT = "the quick brown fox jumps over the lazy dog, paged attention keeps blocks " * 4
-MESSAGES = [{"role": "user", "content": "hello world, hello graphs; " * 5}]
-MAX_TOKENS = 8
 
 
 def transfer_config(path: Path, connector: str = "SharedStorageConnector") -> str:
@@ -39,35 +35,9 @@ def transfer_config(path: Path, connector: str = "SharedStorageConnector") -> st
                        "kv_connector_extra_config": {"shared_storage_path": str(path)}})
 
 
-@contextlib.contextmanager
-def served(log: Path, *flags: str) -> Iterator[str]:
+def served(log: Path, *flags: str):
     """examples/serve.py in a process of its own, healthy, until the block ends: its URL."""
-    httpx = pytest.importorskip("httpx")
-    port = free_port()
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "examples/serve.py", *flags, "--port",
-                                   str(port)], cwd=REPO, env=SCRIPT_ENV, stdout=out,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield url
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)  # its engine's process stops with it
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+    return launched(["examples/serve.py", *flags], log)
 
 
 def connector_metrics(url: str) -> dict[str, float]:
@@ -90,29 +60,13 @@ def settled_metrics(url: str, name: str, value: float) -> dict[str, float]:
     return metrics
 
 
-def ask(url: str) -> tuple[object, tuple[str, object]]:
-    """The prompt's greedy completion, and the messages' streamed chat (text, its usage), both
-    through the official client."""
-    openai = pytest.importorskip("openai")
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-    model = client.models.list().data[0].id
-    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                           temperature=0, extra_body={"ignore_eos": True})
-    chunks = list(client.chat.completions.create(
-        model=model, messages=MESSAGES, max_completion_tokens=MAX_TOKENS, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
-    assert not chunks[-1].choices and all(c.usage is None for c in chunks[:-1])
-    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
-    return completion, (text, chunks[-1].usage)
-
-
 @pytest.mark.slow
 def test_a_restarted_server_serves_the_prompt_blocks_its_predecessor_saved(checkpoint,
                                                                           tmp_path):
     flags = ["--model", str(checkpoint), *SERVE_FLAGS,
              "--kv-transfer-config", transfer_config(tmp_path / "kv")]
     with served(tmp_path / "first.log", *flags) as url:
-        first, (first_chat, first_chat_usage) = ask(url)
+        first, first_chat, first_chat_usage = ask(url)
         prompts = [first.usage.prompt_tokens, first_chat_usage.prompt_tokens]
         assert min(prompts) > 3 * BLOCK  # several blocks each
         saved = sum(p // BLOCK * BLOCK for p in prompts)
@@ -123,7 +77,7 @@ def test_a_restarted_server_serves_the_prompt_blocks_its_predecessor_saved(check
     assert any((tmp_path / "kv").rglob("*.kvblock"))
 
     with served(tmp_path / "second.log", *flags) as url:
-        second, (second_chat, second_chat_usage) = ask(url)
+        second, second_chat, second_chat_usage = ask(url)
         cached = [second.usage.prompt_tokens_details.cached_tokens,
                   second_chat_usage.prompt_tokens_details.cached_tokens]
         after = settled_metrics(url, "kvgraph_kv_connector_loaded_tokens_total", sum(cached))

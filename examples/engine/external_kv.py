@@ -33,8 +33,9 @@ class ExternalKV:
 
     @property
     def has_work(self) -> bool:
-        """Whether reports are awaited: loads under way, or blocks held for a send."""
-        return bool(self.loading or self.held)
+        """Whether the engine must step without requests: loads under way, blocks held for a
+        send, or something the connector has for its workers."""
+        return bool(self.loading or self.held or self.connector.has_pending_work())
 
     def matched(self, request: Request) -> tuple[int, bool]:
         """Tokens after `request`'s computed ones the connector can supply, and whether it loads

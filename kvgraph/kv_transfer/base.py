@@ -157,6 +157,11 @@ class KVConnectorBase:
         """The workers' metadata for a step that runs `scheduled` (called once per step)."""
         return KVConnectorMetadata()
 
+    def has_pending_work(self) -> bool:
+        """Whether the scheduler side has something for the workers even with no request to
+        run (the engine then steps, so it is delivered): False by default."""
+        return False
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """What the workers reported for the last step."""
 

@@ -143,6 +143,9 @@ class PairConnector(KVConnectorBase):
             params["remote_host"], int(params["remote_port"]),
             tuple(params["remote_block_ids"][first:last]), tuple(block_ids[first:last])))
 
+    def has_pending_work(self) -> bool:
+        return bool(self._pending_pulls or self._newly_held)
+
     def build_connector_meta(self, scheduled: Sequence[ScheduledChunk]) -> PairMetadata:
         metadata = PairMetadata(self._pending_pulls, self._newly_held)
         self._pending_pulls, self._newly_held = [], {}

@@ -142,11 +142,25 @@ def test_metrics_show_the_kv_connectors_counts():
         "kvgraph_kv_connector_saved_tokens_total": 160.0,
         "kvgraph_kv_connector_save_failures_total": 3.0,
         "kvgraph_kv_connector_store_bytes": 4096.0,
+        # A prefill server's: none here (the shared-storage connector sends nothing).
+        "kvgraph_kv_connector_sent_blocks_total": 0.0,
+        "kvgraph_kv_connector_expired_requests_total": 0.0,
+        "kvgraph_kv_connector_failed_pulls_total": 0.0,
     }
+
+
+def test_metrics_show_a_prefill_servers_counts():
+    engine = FakeEngine(worker={"connector": "TorchDistributedConnector", "steps": 5,
+                                "layer_hook_calls": 0, "sent_blocks": 40,
+                                "expired_requests": 1, "failed_pulls": 2})
+    values = metric_values(engine)
+    assert values["kvgraph_kv_connector_sent_blocks_total"] == 40.0
+    assert values["kvgraph_kv_connector_expired_requests_total"] == 1.0
+    assert values["kvgraph_kv_connector_failed_pulls_total"] == 2.0
 
 
 def test_metrics_without_a_kv_connector_show_zeros():
     no_connector = {"connector": None, "layerwise": False, "steps": 0, "layer_hook_calls": 0}
     for engine in (FakeEngine(worker=no_connector), FakeEngine()):
         values = metric_values(engine)
-        assert len(values) == 6 and set(values.values()) == {0.0}
+        assert len(values) == 9 and set(values.values()) == {0.0}

@@ -243,20 +243,23 @@ def test_a_writer_killed_mid_save_leaves_nothing_damaged_to_load(tmp_path):
 
 # A process stuck in a save and in a load, each inside a user's saver or loader, until killed.
 STUCK = """
-import sys, threading, time
+import os, sys, threading, time
 from pathlib import Path
 from kvgraph.compilation.cache import CompileCache
+
+def say(line):  # one write per line: two threads' print()s interleave on a loaded machine
+    os.write(1, (line + "\\n").encode())
 
 cache = CompileCache.open(sys.argv[1], sys.argv[2])
 cache.save("piece", lambda path: Path(path).write_bytes(b"a good build"))
 
 def stuck_saver(path):
     Path(path).write_bytes(b"half a build" * 40_000)
-    print("saving", flush=True)
+    say("saving")
     time.sleep(600)
 
 def stuck_loader(path):
-    print("loading", flush=True)
+    say("loading")
     time.sleep(600)
 
 threading.Thread(target=cache.save, args=("other", stuck_saver), daemon=True).start()

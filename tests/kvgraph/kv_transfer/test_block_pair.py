@@ -101,11 +101,7 @@ def test_mooncake_reads_each_run_straight_from_one_cache_into_the_other(kind):
     decode.engine = RecordingEngine(decode.engine, reads)
     src, dst = [3, 4, 5, 9, 12], [10, 11, 2, 3, 0]
     decode.pull(decode.connect(prefill.offer()), src, dst)
-    for name in sender:
-        for got, sent, old in zip(receiver[name], sender[name], before[name]):
-            assert torch.equal(got[dst], sent[src])
-            untouched = [b for b in range(got.shape[0]) if b not in dst]
-            assert torch.equal(got[untouched], old[untouched])
+    assert_moved(sender, receiver, before, src, dst)
     # One read per run and tensor, each range inside a tensor of the caches: nothing staged.
     (local, remote, lengths), = reads
     assert len(local) == len(paired_runs(src, dst)) * 6
@@ -128,6 +124,15 @@ class RecordingEngine:
         return self.engine.batch_transfer_sync_read(session, local, remote, lengths)
 
 
+def assert_moved(sender: dict, receiver: dict, before: dict, src: list, dst: list) -> None:
+    """The receiver's blocks `dst` hold the sender's `src`; its other blocks are as `before`."""
+    for name in sender:
+        for got, sent, old in zip(receiver[name], sender[name], before[name]):
+            assert torch.equal(got[dst], sent[src])
+            untouched = [b for b in range(got.shape[0]) if b not in dst]
+            assert torch.equal(got[untouched], old[untouched])
+
+
 def within(address: int, length: int, kv_caches: dict) -> bool:
     return any(t.data_ptr() <= address and address + length <= t.data_ptr() + t.numel()
                * t.element_size() for cache in kv_caches.values() for t in cache)
@@ -143,9 +148,5 @@ def test_nixl_reads_each_run_into_place(kind):
     prefill, decode = NixlTransport(sender, 30), NixlTransport(receiver, 30)
     src, dst = [3, 4, 5, 9, 12], [10, 11, 2, 3, 0]
     decode.pull(decode.connect(prefill.offer()), src, dst)
-    for name in sender:
-        for got, sent, old in zip(receiver[name], sender[name], before[name]):
-            assert torch.equal(got[dst], sent[src])
-            untouched = [b for b in range(got.shape[0]) if b not in dst]
-            assert torch.equal(got[untouched], old[untouched])
+    assert_moved(sender, receiver, before, src, dst)
     prefill.close(), decode.close()

@@ -19,7 +19,7 @@ from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.block_pair import paired_runs
 from kvgraph.kv_transfer.config import KVTransferConfig
 from kvgraph.kv_transfer.pair_connector import SETTINGS, PairConnector
-from kvgraph.kv_transfer.pair_transport import PairTransport
+from kvgraph.kv_transfer.pair_transport import PairTransport, ReadingTransport, block_bytes
 
 
 def _import_engine():
@@ -38,8 +38,10 @@ def _import_engine():
 MAX_BATCH = 1024
 
 
-class MooncakeTransport:
+class MooncakeTransport(ReadingTransport):
     """One-sided reads of registered caches (see PairTransport and the module docstring)."""
+
+    kind = "mooncake"
 
     def __init__(self, kv_caches: dict[str, KVCache], host: str, protocol: str = "tcp"):
         self.engine = _import_engine()()
@@ -57,28 +59,19 @@ class MooncakeTransport:
 
     def offer(self) -> dict[str, Any]:
         return {"kind": "mooncake", "session": self.session,
-                "tensors": [[t.data_ptr(), _block_bytes(t)] for t in self.tensors]}
-
-    def accept(self, offer: dict[str, Any]) -> None:
-        return None  # D reads: P's part of a pull is nothing
-
-    def serve_pull(self, handle: None, src: list[int], dst: list[int]) -> None:
-        return None
+                "tensors": [[t.data_ptr(), block_bytes(t)] for t in self.tensors]}
 
     def connect(self, offer: dict[str, Any]) -> dict[str, Any]:
-        if offer.get("kind") != "mooncake" or len(offer["tensors"]) != len(self.tensors):
-            raise ConnectionError(f"the prefill engine offers {offer.get('kind')!r} with "
-                                  f"{len(offer.get('tensors', []))} tensors; this side reads "
-                                  f"with mooncake into {len(self.tensors)}")
+        self.check_offer(offer)
         return offer
 
     def pull(self, handle: dict[str, Any], src: list[int], dst: list[int]) -> None:
         local, remote, lengths = [], [], []
         for first_src, first_dst, count in paired_runs(src, dst):
             for (base, stride), tensor in zip(handle["tensors"], self.tensors):
-                local.append(tensor.data_ptr() + first_dst * _block_bytes(tensor))
+                local.append(tensor.data_ptr() + first_dst * block_bytes(tensor))
                 remote.append(base + first_src * stride)
-                lengths.append(count * _block_bytes(tensor))
+                lengths.append(count * block_bytes(tensor))
         for start in range(0, len(local), MAX_BATCH):
             part = slice(start, start + MAX_BATCH)
             status = self.engine.batch_transfer_sync_read(handle["session"], local[part],
@@ -93,12 +86,8 @@ class MooncakeTransport:
         self.registered.clear()
 
 
-def _block_bytes(tensor) -> int:
-    return tensor.stride(0) * tensor.element_size()
-
-
 def _nbytes(tensor) -> int:
-    return tensor.shape[0] * _block_bytes(tensor)
+    return tensor.shape[0] * block_bytes(tensor)
 
 
 class MooncakeConnector(PairConnector):

@@ -21,7 +21,7 @@ from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.block_pair import paired_runs
 from kvgraph.kv_transfer.config import KVTransferConfig
 from kvgraph.kv_transfer.pair_connector import PairConnector
-from kvgraph.kv_transfer.pair_transport import PairTransport
+from kvgraph.kv_transfer.pair_transport import PairTransport, ReadingTransport, block_bytes
 
 
 def _import_agent():
@@ -35,8 +35,10 @@ def _import_agent():
                       "nixl-cu13; the CUDA builds run on the CPU too)")
 
 
-class NixlTransport:
+class NixlTransport(ReadingTransport):
     """One-sided NIXL reads of registered caches (see PairTransport)."""
+
+    kind = "nixl"
 
     def __init__(self, kv_caches: dict[str, KVCache], timeout_s: float):
         agent, config = _import_agent()
@@ -48,19 +50,10 @@ class NixlTransport:
 
     def offer(self) -> dict[str, Any]:
         return {"kind": "nixl", "agent": base64.b64encode(self.agent.get_agent_metadata()).decode(),
-                "tensors": [[t.data_ptr(), _block_bytes(t), _device(t)] for t in self.tensors]}
-
-    def accept(self, offer: dict[str, Any]) -> None:
-        return None  # D reads: P's part of a pull is nothing
-
-    def serve_pull(self, handle: None, src: list[int], dst: list[int]) -> None:
-        return None
+                "tensors": [[t.data_ptr(), block_bytes(t), _device(t)] for t in self.tensors]}
 
     def connect(self, offer: dict[str, Any]) -> dict[str, Any]:
-        if offer.get("kind") != "nixl" or len(offer["tensors"]) != len(self.tensors):
-            raise ConnectionError(f"the prefill engine offers {offer.get('kind')!r} with "
-                                  f"{len(offer.get('tensors', []))} tensors; this side reads "
-                                  f"with nixl into {len(self.tensors)}")
+        self.check_offer(offer)
         name = self.agent.add_remote_agent(base64.b64decode(offer["agent"]))
         return {**offer, "name": name}
 
@@ -68,8 +61,8 @@ class NixlTransport:
         local, remote = [], []
         for first_src, first_dst, count in paired_runs(src, dst):
             for (base, stride, device), tensor in zip(handle["tensors"], self.tensors):
-                size = count * _block_bytes(tensor)
-                local.append((tensor.data_ptr() + first_dst * _block_bytes(tensor), size,
+                size = count * block_bytes(tensor)
+                local.append((tensor.data_ptr() + first_dst * block_bytes(tensor), size,
                               _device(tensor)))
                 remote.append((base + first_src * stride, size, device))
         xfer = self.agent.initialize_xfer(
@@ -92,10 +85,6 @@ class NixlTransport:
         if self.registered is not None:
             self.agent.deregister_memory(self.registered)
             self.registered = None
-
-
-def _block_bytes(tensor) -> int:
-    return tensor.stride(0) * tensor.element_size()
 
 
 def _device(tensor) -> int:

@@ -45,3 +45,30 @@ class PairTransport(Protocol):
         """D: move P's blocks `src` into this cache's `dst`; returns once they are written."""
 
     def close(self) -> None: ...
+
+
+def block_bytes(tensor: Any) -> int:
+    """Bytes of one block of a cache tensor (`[num_blocks, ...]`, blocks contiguous)."""
+    return tensor.stride(0) * tensor.element_size()
+
+
+class ReadingTransport:
+    """The part every one-sided transport shares: D reads P's registered cache, so P's part of a
+    pull is nothing, and D checks P offers the same transport over as many tensors. A subclass
+    sets `kind` and `tensors` (this side's cache tensors, in the pair's order)."""
+
+    kind = ""
+    tensors: list
+
+    def accept(self, offer: dict[str, Any]) -> None:
+        return None
+
+    def serve_pull(self, handle: None, src: list[int], dst: list[int]) -> None:
+        return None
+
+    def check_offer(self, offer: dict[str, Any]) -> None:
+        """A ConnectionError unless P offers this transport over as many tensors."""
+        if offer.get("kind") != self.kind or len(offer["tensors"]) != len(self.tensors):
+            raise ConnectionError(f"the prefill engine offers {offer.get('kind')!r} with "
+                                  f"{len(offer.get('tensors', []))} tensors; this side reads "
+                                  f"with {self.kind} into {len(self.tensors)}")

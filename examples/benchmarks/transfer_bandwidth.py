@@ -64,8 +64,8 @@ def transport(kind: str, kv_caches, timeout_s: float = 60.0):
     if kind == "nixl":
         from kvgraph.kv_transfer.nixl import NixlTransport
         return NixlTransport(kv_caches, timeout_s)
-    from kvgraph.kv_transfer.torch_distributed import GlooTransport
-    return GlooTransport(kv_caches, "127.0.0.1", timeout_s)
+    from kvgraph.kv_transfer.torch_distributed import PointToPointTransport
+    return PointToPointTransport(kv_caches, "127.0.0.1", timeout_s)
 
 
 def sender_main(kind: str, args: argparse.Namespace, conn) -> None:

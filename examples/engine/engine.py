@@ -26,7 +26,8 @@ from .block_allocator import BlockAllocator, blocks_for
 from .detokenizer import Detokenizer
 from .errors import EngineDeadError, RequestError
 from .external_kv import ExternalKV, merged
-from .logprobs import TokenLogprobs, batch_logprobs, prompt_logprobs
+from .first_token_handoff import check_handed_off_tokens, handed_off_tokens
+from .logprobs import TokenLogprobs, prompt_logprobs, sampled_logprobs
 from .request import Completion, FinishReason, Request, RequestOutput
 from .request_checks import check_request
 from .sampler import Sampler
@@ -76,6 +77,7 @@ class LLMEngine:
         self.num_failed = 0
         self.num_step_retries = 0
         self._kv_report = KVConnectorOutput()  # the KV connector's report of the last step
+        self._handed_off: list[RequestOutput] = []  # see first_token_handoff.py
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a request that could never run; safe from any thread."""
@@ -98,8 +100,15 @@ class LLMEngine:
             generator=None if params.seed is None else self.sampler.new_generator(params.seed),
             kv_transfer_params=kv_transfer_params,
         )
+        handed_off = handed_off_tokens(kv_transfer_params, params)
+        check_handed_off_tokens(handed_off, self.runner.vocab_size)
         self.requests[request_id] = request
         self.scheduler.add(request)
+        for token in handed_off:  # a prefill server's: emitted with the next step's outputs
+            self.sampler.skip(request)
+            self._handed_off.append(self._append(request, token, time.perf_counter()))
+            if request.finished:
+                break
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -114,7 +123,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return bool(self._handed_off) or self.scheduler.has_work
 
     @property
     def is_full(self) -> bool:
@@ -134,14 +143,16 @@ class LLMEngine:
         """
         schedule = self.scheduler.schedule()
         metadata = self.external.metadata(schedule.chunks) if self.external else None
+        handed_off, self._handed_off = self._handed_off, []
         if not schedule.chunks:
             if self.external is not None:  # drive the loads requests wait for, then wait a bit
                 self._kv_report = self.runner.kv_connector.transfer(metadata)
                 self.scheduler.apply_kv_report(self._kv_report)
                 time.sleep(KV_WAIT_S)
-            return []
+            return handed_off
         self._kv_report = KVConnectorOutput()
         ran, outputs = self._forward(schedule.chunks, metadata)
+        outputs = handed_off + outputs
         self.num_steps += 1
         rows, ready = [], []
         for chunk, row in ran:
@@ -158,18 +169,11 @@ class LLMEngine:
         if ready:
             now = time.perf_counter()
             logits = torch.stack(rows)
-            tokens = self._sample(logits, ready)
-            logprobs = self._logprobs(logits, tokens, ready)
+            tokens = self.sampler.tokens_or_errors(logits, ready)
+            logprobs = sampled_logprobs(logits, tokens, ready)
             outputs += [self._emit(request, token, now, lp)
                         for request, token, lp in zip(ready, tokens, logprobs)]
         return outputs
-
-    def _logprobs(self, logits: torch.Tensor, tokens: list[Sampled], requests: list[Request]
-                  ) -> list[TokenLogprobs | None]:
-        """The logprobs of each request that asked for them (and whose sampling worked)."""
-        ks = [None if isinstance(t, Exception) else r.params.logprobs
-              for r, t in zip(requests, tokens)]
-        return batch_logprobs(logits, [0 if isinstance(t, Exception) else t for t in tokens], ks)
 
     def _forward(self, chunks: list[ScheduledChunk], metadata: KVConnectorMetadata | None = None
                  ) -> tuple[list[tuple[ScheduledChunk, torch.Tensor]], list[RequestOutput]]:
@@ -222,19 +226,6 @@ class LLMEngine:
                             [(c.request, c.request.num_computed_tokens, c.num_tokens)
                              for c in chunks])
         return logits
-
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[Sampled]:
-        """One token per request, all at once; if that raises, each alone, to find whose."""
-        try:
-            return self.sampler(logits, requests)
-        except Exception:  # noqa: BLE001 - whose fault it is, is found below
-            sampled: list[Sampled] = []
-            for row, request in zip(logits, requests):
-                try:
-                    sampled += self.sampler(row[None], [request])
-                except Exception as error:  # noqa: BLE001 - this request's fault
-                    sampled.append(error)
-            return sampled
 
     def _emit(self, request: Request, token: Sampled, now: float,
               logprobs: TokenLogprobs | None) -> RequestOutput:

@@ -218,7 +218,7 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
         sizing = _agreed(choose_num_blocks(args, model, DTYPES[args.dtype],
                                            config.max_num_tokens, max_model_len, build_runner), tp)
         runner = build_runner(sizing.num_blocks, kv_connector(
-            args, models, KVConnectorRole.WORKER, args.block_size))
+            args, models, KVConnectorRole.WORKER, args.block_size, tp.rank, tp.world_size))
     # A compile error raises here, before serving.
     with stages.stage("compile", f"compiling ({config.graph_mode.value} graph mode, "
                       f"{config.piece_compiler} pieces): Dynamo traces the model, then each "
@@ -255,13 +255,11 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
     """Load, compile and capture: the engine, and a summary of its start-up.
 
     With tensor parallelism this process is rank 0: its engine's runner is a
-    TensorParallelRunner, which `runner.close()` stops the other ranks through.
+    TensorParallelRunner, which `runner.close()` stops the other ranks through. A KV
+    connector's scheduler side is rank 0's; every rank has its own worker side.
     """
     start = time.perf_counter()
     world_size = tensor_parallel_size(args.tensor_parallel_size)
-    if world_size > 1 and getattr(args, "kv_transfer_config", None) is not None:
-        raise NotImplementedError("--kv-transfer-config with --tensor-parallel-size > 1: KV "
-                                  "connectors run on one rank for now")
     if world_size == 1:
         built = build_rank(args, models, args.device)
         runner = built.runner
@@ -270,7 +268,7 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
                                         functools.partial(build_rank, args, models))
     engine = LLMEngine(runner, built.tokenizer, args.seed, args.enable_prefix_caching,
                        kv_connector(args, models, KVConnectorRole.SCHEDULER,
-                                    runner.limits.block_size))
+                                    runner.limits.block_size, 0, world_size))
     capture = built.capture
     summary = {"graph_mode": runner.config.graph_mode.value,
                "descriptors": capture["descriptors"], "graphs": capture["graphs"],

@@ -7,7 +7,8 @@ The engine names the model for the connector (`model_key`): the example's preset
 the checkpoint's files (names, sizes, modification times), with the dtype. Blocks saved by one
 model are then never loaded into another, and a prefill and a decode server of different
 models refuse to pair. (Checkpoint files on two hosts must then have equal modification times:
-give both the same `model_key` in the config otherwise.)
+give both the same `model_key` in the config otherwise.) With tensor parallelism each rank
+builds its own worker side with its rank (its own shard's files, or its own side channel).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ from kvgraph.kv_transfer import (
     KVTransferConfig,
     create_kv_connector,
 )
+
+# kvgraph's own connectors: they take the engine's model_key and the TP rank. Another gets only
+# what every connector gets (it may read its rank from kvgraph.distributed).
+KVGRAPH_CONNECTORS = ("SharedStorageConnector", "TorchDistributedConnector",
+                      "MooncakeConnector", "NixlConnector")
 
 
 def transfer_config(text: str) -> KVTransferConfig:
@@ -58,18 +64,16 @@ def model_key(args: argparse.Namespace, models: Mapping[str, Any]) -> str:
 
 
 def kv_connector(args: argparse.Namespace, models: Mapping[str, Any], role: KVConnectorRole,
-                 block_size: int) -> KVConnectorBase | None:
-    """The connector `--kv-transfer-config` asks for, in `role`; None without the flag."""
+                 block_size: int, tp_rank: int = 0, tp_size: int = 1
+                 ) -> KVConnectorBase | None:
+    """The connector `--kv-transfer-config` asks for, in `role`, for tensor-parallel rank
+    `tp_rank` of `tp_size` (the scheduler side is rank 0's); None without the flag."""
     config = getattr(args, "kv_transfer_config", None)
     if config is None:
         return None
-    context = {"model_key": model_key(args, models)} if _takes_model_key(config) else {}
+    if config.kv_connector not in KVGRAPH_CONNECTORS:
+        return create_kv_connector(config, role, block_size)
+    context: dict[str, Any] = {"tp_rank": tp_rank, "tp_size": tp_size}
+    if "model_key" not in config.kv_connector_extra_config:  # the config's own wins
+        context["model_key"] = model_key(args, models)
     return create_kv_connector(config, role, block_size, **context)
-
-
-def _takes_model_key(config: KVTransferConfig) -> bool:
-    """Whether to pass the engine's model_key: kvgraph's own connectors take one (unless their
-    config names its own); other connectors get only what every connector gets."""
-    return (config.kv_connector in ("SharedStorageConnector", "TorchDistributedConnector",
-                                    "MooncakeConnector")
-            and "model_key" not in config.kv_connector_extra_config)

@@ -48,6 +48,15 @@ def batch_logprobs(logits: torch.Tensor, tokens: Sequence[int], ks: Sequence[int
     return result
 
 
+def sampled_logprobs(logits: torch.Tensor, tokens: Sequence[int | Exception],
+                     requests: Sequence[Request]) -> list[TokenLogprobs | None]:
+    """The logprobs of each request that asked for them (and whose sampling worked: a failed
+    one's token is its error)."""
+    ks = [None if isinstance(t, Exception) else r.params.logprobs
+          for r, t in zip(requests, tokens)]
+    return batch_logprobs(logits, [0 if isinstance(t, Exception) else t for t in tokens], ks)
+
+
 def prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],
                     chunks: Sequence[tuple[Request, int, int]]) -> None:
     """Record, on each request that asked, the logprobs of the prompt tokens its chunk of this

@@ -81,6 +81,8 @@ class EngineCollector(Collector):
                        "in the prefix cache", stats["prefix_cache_queried_tokens"])
         yield _counter("kvgraph_prefix_cache_hits", "Of those, tokens found cached (prefill "
                        "skipped)", stats["prefix_cache_hit_tokens"])
+        yield _counter("kvgraph_prompt_tokens_computed", "Prompt tokens run through the model "
+                       "(not from a cache or a KV connector)", stats["prompt_tokens_computed"])
         yield _counter("kvgraph_prefix_cache_evictions", "Cached blocks taken back for new "
                        "tokens", stats["prefix_cache_evictions"])
         yield _gauge("kvgraph_kv_cache_blocks_cached", "KV cache blocks in the prefix cache, "

@@ -78,18 +78,15 @@ def check_start(args: argparse.Namespace, models: Mapping[str, Any],
         world_size = tensor_parallel_size(args.tensor_parallel_size)
     check_devices(args.device, world_size)
     check_kvgraph(args)
-    check_kv_transfer(args, world_size)
+    check_kv_transfer(args)
     require(packages, "the server")  # last: importing them takes longest
 
 
-def check_kv_transfer(args: argparse.Namespace, world_size: int) -> None:
+def check_kv_transfer(args: argparse.Namespace) -> None:
     """The connector `--kv-transfer-config` names exists, takes its settings, and runs here."""
     config = getattr(args, "kv_transfer_config", None)
     if config is None:
         return
-    if world_size > 1:
-        raise UsageError("--kv-transfer-config: KV connectors run with one rank for now, not "
-                         f"--tensor-parallel-size {world_size}")
     with refused("--kv-transfer-config", ConfigError):
         kv_connector_class(config).check_config(config)
     path = config.extra("shared_storage_path")

@@ -232,7 +232,7 @@ def _request(prompt_token_ids: list[int], params: SamplingParams, body: dict[str
                              options.get("include_usage", False), echo_text, n, transfer)
 
 
-def _is_block_ids(value: Any) -> bool:
+def _is_id_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_int(b) and b >= 0 for b in value)
 
 
@@ -249,7 +249,8 @@ _TRANSFER_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "remote_request_id": (lambda v: isinstance(v, str), "a string"),
     "remote_host": (lambda v: isinstance(v, str) and bool(v), "a host name"),
     "remote_port": (_is_port, "a TCP port (an integer in [1, 65535])"),
-    "remote_block_ids": (_is_block_ids, "a list of block ids (integers >= 0)"),
+    "remote_block_ids": (_is_id_list, "a list of block ids (integers >= 0)"),
+    "first_token_ids": (_is_id_list, "a list of token ids (integers >= 0)"),
 }
 # What a decode request needs to find the prefill engine's blocks.
 _PULL_KEYS = ("remote_host", "remote_port", "remote_block_ids")

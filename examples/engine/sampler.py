@@ -40,6 +40,28 @@ class Sampler:
         """A request's own random stream."""
         return torch.Generator(self.device).manual_seed(seed)
 
+    def tokens_or_errors(self, logits: torch.Tensor, requests: Sequence[Request]
+                         ) -> list[int | Exception]:
+        """One token per request, all at once; if that raises, each alone, so that an error
+        is only its own request's."""
+        try:
+            return self(logits, requests)
+        except Exception:  # noqa: BLE001 - whose fault it is, is found below
+            sampled: list[int | Exception] = []
+            for row, request in zip(logits, requests):
+                try:
+                    sampled += self(row[None], [request])
+                except Exception as error:  # noqa: BLE001 - this request's fault
+                    sampled.append(error)
+            return sampled
+
+    def skip(self, request: Request) -> None:
+        """Take the draw sampling one of `request`'s tokens takes, for a token sampled elsewhere
+        (a prefill server's): a seeded request's later tokens are then the ones one server
+        would sample."""
+        if request.generator is not None and not request.params.greedy:
+            torch.rand(1, dtype=torch.float64, device=self.device, generator=request.generator)
+
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]
                  ) -> list[int | SamplingError]:
         """`logits` `[len(requests), vocab]` -> one token id per request, in `[0, vocab)`.

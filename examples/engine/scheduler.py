@@ -57,6 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_queried_tokens = 0  # tokens of admitted requests looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens found cached: prefill not computed
+        self.num_prompt_tokens_computed = 0  # scheduled to run through the model
 
     @property
     def has_work(self) -> bool:
@@ -105,7 +106,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                output.chunks.append(ScheduledChunk(request, num_tokens))
+                self._add_chunk(output, request, num_tokens)
                 scheduled.add(request)
                 budget -= num_tokens
         return budget
@@ -137,8 +138,14 @@ class Scheduler:
                 continue
             request.num_computed_tokens += external
             self.running.append(request)
-            output.chunks.append(ScheduledChunk(request, num_tokens))
+            self._add_chunk(output, request, num_tokens)
             budget -= num_tokens
+
+    def _add_chunk(self, output: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        start = request.num_computed_tokens
+        self.num_prompt_tokens_computed += max(
+            0, min(start + num_tokens, len(request.prompt_token_ids)) - start)
+        output.chunks.append(ScheduledChunk(request, num_tokens))
 
     def _external_tokens(self, request: Request) -> tuple[int, bool]:
         """The KV connector's tokens for `request` after its cached ones, and whether it loads
@@ -175,9 +182,12 @@ class Scheduler:
         request.num_cached_blocks = full
 
     def stats(self) -> dict[str, int]:
-        """Prefix cache use, in tokens of admitted requests, and the allocator's cache stats."""
+        """Prefix cache use, in tokens of admitted requests, the prompt tokens scheduled to be
+        computed (preempted ones again), and the allocator's cache stats."""
         return {"prefix_cache_queried_tokens": self.num_queried_tokens,
-                "prefix_cache_hit_tokens": self.num_hit_tokens, **self.allocator.stats()}
+                "prefix_cache_hit_tokens": self.num_hit_tokens,
+                "prompt_tokens_computed": self.num_prompt_tokens_computed,
+                **self.allocator.stats()}
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Give `request` the blocks its next `num_tokens` tokens need; False if too few free."""

@@ -1,7 +1,9 @@
-"""The step channel: messages from rank 0 to every other tensor-parallel rank.
+"""The step channel: messages from rank 0 to every other tensor-parallel rank, and each rank's
+KV connector report back to rank 0.
 
-Each message is a pickled `(kind, payload)`: `(STEP, chunks)` for a step to run, `(STOP,
-None)` to stop. See tp_runner.py for what the two ends do with them.
+Each message is a pickled `(kind, payload)`: `(STEP, (chunks, kv_connector_metadata))` for a
+step to run, `(TRANSFER, kv_connector_metadata)` for a KV connector's loads and saves without a
+forward, `(STOP, None)` to stop. See tp_runner.py for what the two ends do with them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from kvgraph.distributed import TensorParallelGroup
 
 # Message kinds.
-STEP, STOP = "step", "stop"
+STEP, TRANSFER, STOP = "step", "transfer", "stop"
 # How long a worker waits for rank 0's next message. A server may sit idle for days, so this
 # is no deadline: a rank 0 that dies closes its sockets and the wait fails at once.
 IDLE_TIMEOUT = timedelta(days=365)
@@ -26,6 +28,9 @@ IDLE_TIMEOUT = timedelta(days=365)
 # before them takes LENGTH_BYTES.
 MESSAGE_BYTES = 32 * 1024
 LENGTH_BYTES = 8
+# Bytes of a rank's report that go in the gather (a few request ids and block ids); a longer
+# one sends the rest to rank 0 on its own.
+REPORT_BYTES = 4 * 1024
 
 
 class StepChannel:
@@ -37,12 +42,18 @@ class StepChannel:
     message never pairs with a model collective if ranks part ways, and its timeout is
     IDLE_TIMEOUT, so an idle worker waits as long as the server idles. Making it is
     collective: every rank makes it at the same point.
+
+    Reports go back to rank 0 (`gather`) on a gloo group of their own, whose timeout is the TP
+    group's: a rank that hangs after its step fails the gather instead of stalling rank 0.
     """
 
     def __init__(self, tp: TensorParallelGroup):
         ranks = dist.get_process_group_ranks(tp.group)
+        self._ranks = ranks
         self._root = ranks[0]
         self._group = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+        self._reports = dist.new_group(ranks, backend="gloo",
+                                       timeout=timedelta(seconds=tp.timeout_s))
         self.rank, self.world_size = tp.rank, tp.world_size
         self._buffer = torch.zeros(LENGTH_BYTES + MESSAGE_BYTES, dtype=torch.uint8)
         self._bytes = self._buffer.numpy()  # the same memory, written and read as bytes
@@ -71,3 +82,34 @@ class StepChannel:
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=self._root, group=self._group)
+
+    def gather(self, report: Any) -> list[Any] | None:
+        """Every rank: send `report` to rank 0. Rank 0 gets each rank's, by rank (its own as
+        it is); the others None. One gather of REPORT_BYTES from each rank, then the rest of
+        any longer report, sent on its own."""
+        buffer = torch.zeros(LENGTH_BYTES + REPORT_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            gathered = [torch.empty_like(buffer) for _ in self._ranks]
+            dist.gather(buffer, gathered, dst=self._root, group=self._reports)
+            return [report, *(pickle.loads(self._whole(part, rank))
+                              for part, rank in zip(gathered[1:], self._ranks[1:]))]
+        data = pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)
+        first = min(len(data), REPORT_BYTES)
+        head = len(data).to_bytes(LENGTH_BYTES, "little") + data[:first]
+        buffer[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        dist.gather(buffer, None, dst=self._root, group=self._reports)
+        if len(data) > first:
+            dist.send(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8),
+                      dst=self._root, group=self._reports)
+        return None
+
+    def _whole(self, part: torch.Tensor, rank: int) -> bytes:
+        """Rank 0: the bytes of `rank`'s gathered report, and the rest of a longer one."""
+        head = part.numpy().tobytes()
+        length = int.from_bytes(head[:LENGTH_BYTES], "little")
+        data = head[LENGTH_BYTES:LENGTH_BYTES + min(length, REPORT_BYTES)]
+        if length > REPORT_BYTES:
+            rest = torch.empty(length - REPORT_BYTES, dtype=torch.uint8)
+            dist.recv(rest, src=rank, group=self._reports)
+            data += rest.numpy().tobytes()
+        return data

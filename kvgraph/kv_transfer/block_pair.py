@@ -8,8 +8,10 @@ transfer pairs the sender's block ids with the receiver's; both sides cut it int
 (wherever either side's ids stop being consecutive) and exchange one message per run and tensor.
 The two caches must have the same layout (compatibility.py checks it before a pair is used).
 
-The group is the pair's own (a TCPStore the sender hosts, a ProcessGroupGloo of two), apart from
-any tensor-parallel group either process has.
+The group is the pair's own (a TCPStore the sender hosts, a process group of two of the caches'
+device's backend: gloo, NCCL or HCCL), apart from any tensor-parallel group either process has.
+NCCL and HCCL were not run here (no device in CI): their groups are made as torch's and
+torch_npu's documentation say.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import datetime
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 
 from kvgraph.kv_cache.spec import KVCache
@@ -24,6 +27,22 @@ from kvgraph.kv_cache.spec import KVCache
 SENDER, RECEIVER = "sender", "receiver"
 # Tags of one transfer: its own base, then one per message, so messages never cross.
 MESSAGES_PER_TAG = 2**20
+
+
+def pair_group(device_type: str, store: dist.Store, rank: int, timeout: datetime.timedelta
+               ) -> dist.ProcessGroup:
+    """A process group of two on `store` for caches on `device_type`: gloo on the CPU, NCCL on
+    CUDA, HCCL on Ascend (torch_npu adds `ProcessGroupHCCL` to torch.distributed)."""
+    if device_type == "cpu":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if device_type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    if device_type == "npu":
+        return dist.ProcessGroupHCCL(store, rank, 2, timeout)
+    raise ValueError(f"KV block pairs move caches on cpu, cuda or npu devices, not "
+                     f"{device_type!r}")
 
 
 def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -56,8 +75,9 @@ class BlockPair:
         self.peer = 1 - rank
         # The sender hosts the store: it is up first, as the one whose blocks are asked for.
         store = dist.TCPStore(host, port, 2, is_master=role == SENDER, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore("kvgraph-kv-pair", store), rank, 2,
-                                           timeout)
+        self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        self.group = pair_group(self.device.type, dist.PrefixStore("kvgraph-kv-pair", store),
+                                rank, timeout)
         self.bytes_moved = 0
 
     def send(self, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int = 0) -> None:
@@ -91,6 +111,10 @@ class BlockPair:
         try:
             for work in works:
                 work.wait()
+            if self.device.type != "cpu":
+                # A device backend's wait only orders this thread's stream after the transfer:
+                # the blocks are whole (to be freed, or read by the model) once it has run.
+                torch.accelerator.current_stream(self.device).synchronize()
         except RuntimeError as error:  # the peer died or timed out
             raise ConnectionError(f"KV block transfer with the {self._peer_role} failed: "
                                   f"{error}") from error

@@ -5,8 +5,11 @@ vLLM's protocol, so a router written for it drives this: a request sent to P wit
 `kv_transfer_params = {"do_remote_decode": true}` is prefilled there; when it ends, P keeps its
 blocks held and answers with `{"do_remote_prefill": true, "remote_engine_id", "remote_block_ids",
 "remote_host", "remote_port", "remote_request_id"}`; the same request sent to D with those
-parameters loads the prompt's full blocks from P (asynchronously: D's other requests step on)
-instead of computing them. P frees the blocks once D has them, or after `timeout_s`.
+parameters loads the prompt's blocks from P (asynchronously: D's other requests step on)
+instead of computing them. P frees the blocks once D has them, or after `timeout_s`. P's answer
+also carries the token(s) it generated (`first_token_ids`, a key of kvgraph's that a vLLM router
+passes through): D continues from them and computes no prompt token; without them D computes
+the prompt's last token, as vLLM's D does.
 
 D's worker joins P's side channel (`remote_host:remote_port`, P's `port` setting) once: the two
 compare cache fingerprints (a mismatched pair is refused, naming the difference) and connect
@@ -68,6 +71,10 @@ class PairConnector(KVConnectorBase):
         self.model_key = model_key or config.extra("model_key") or ""
         self.engine_id = uuid.uuid4().hex
         self._tp = (tp_rank, tp_size)
+        if self.config.is_producer and self.port + tp_size > 65536:
+            raise ConfigError("port", f"port: tensor-parallel rank r serves its side channel on "
+                              f"port + r, so with {tp_size} ranks port must be at most "
+                              f"{65536 - tp_size}, got {self.port}")
         # Scheduler side.
         self._pending_pulls: list[RemotePull] = []
         self._released: set[str] = set()  # requests D told P it needs nothing of
@@ -110,10 +117,12 @@ class PairConnector(KVConnectorBase):
         params = getattr(request, "kv_transfer_params", None) or {}
         if not (self.config.is_consumer and params.get("do_remote_prefill")):
             return 0, False
-        # Every prompt token but the last, partial block included: the last is computed here,
-        # as vLLM's decode engine does, for the logits it samples the next token from.
+        # Every prompt token, partial block included, but the request's last token: that one
+        # is computed here. With P's first token handed over (`first_token_ids`, appended by
+        # the engine) it is that token, and no prompt token is computed here; without it, it
+        # is the prompt's last, as vLLM's decode engine does, for the logits to sample from.
         usable = min(len(params.get("remote_block_ids", ())) * self.block_size,
-                     len(request.prompt_token_ids) - 1)
+                     len(request.prompt_token_ids), len(request.all_token_ids) - 1)
         tokens = usable - num_computed_tokens
         if tokens <= 0 or num_computed_tokens % self.block_size:
             self._release(request)  # nothing to pull (its own cache has it): P may free now
@@ -165,7 +174,8 @@ class PairConnector(KVConnectorBase):
                       "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
                       "remote_block_ids": list(block_ids[:prompt_blocks]),
                       "remote_host": self.host,
-                      "remote_port": self.port}
+                      "remote_port": self.port,
+                      "first_token_ids": request.all_token_ids[len(request.prompt_token_ids):]}
 
     # --- worker side ------------------------------------------------------------------------
 
@@ -174,9 +184,8 @@ class PairConnector(KVConnectorBase):
         self.fingerprint = kv_fingerprint(self._caches, self.block_size, self.model_key,
                                           *self._tp)
         self._transport = self.new_transport(self._caches)
-        if self.config.is_producer:
-            self._server = SideChannelServer(self.host, self.port, self._serve_peer)
-            self.port = self._server.port
+        if self.config.is_producer:  # rank r on port + r: D's rank r pulls its shard there
+            self._server = SideChannelServer(self.host, self.port + self._tp[0], self._serve_peer)
 
     def _serve_peer(self, conn: socket.socket) -> None:
         """P: one D's handshake, then its pulls, one at a time, until it leaves."""
@@ -225,8 +234,9 @@ class PairConnector(KVConnectorBase):
 
     def _pull(self, pull: RemotePull) -> None:
         """D: fetch one request's blocks; on any failure its blocks are reported failed."""
+        port = pull.remote_port + self._tp[0]  # P's rank r serves this rank r's shard
         try:
-            conn, handle = self._peer(pull.remote_host, pull.remote_port)
+            conn, handle = self._peer(pull.remote_host, port)
             send_message(conn, {"remote_request_id": pull.remote_request_id,
                                 "src": list(pull.remote_block_ids),
                                 "dst": list(pull.local_block_ids)})
@@ -243,11 +253,10 @@ class PairConnector(KVConnectorBase):
                 send_message(conn, {"done": pull.remote_request_id, "ok": pulled})
             failed: set[int] = set()
         except (ConnectionError, OSError, ConfigError, RuntimeError) as error:
-            self._peers.pop((pull.remote_host, pull.remote_port), None)
+            self._peers.pop((pull.remote_host, port), None)
             logger.warning(
                 "kvgraph: pulling request %s's KV blocks from %s:%d failed (%s); its prompt is "
-                "computed here instead", pull.request_id, pull.remote_host, pull.remote_port,
-                error)
+                "computed here instead", pull.request_id, pull.remote_host, port, error)
             failed = set(pull.local_block_ids)
         with self._lock:
             self._received.add(pull.request_id)

@@ -12,6 +12,12 @@ a background thread with `load_async`) and saved after it (`wait_for_save`), so 
 graphs. Settings (`kv_connector_extra_config`): `shared_storage_path` (required), `model_key`
 (names the weights and cache dtype; the example engine passes its own), `max_size_gib` (default
 10; least recently used blocks are deleted past it) and `load_async` (default false).
+
+Under tensor parallelism each rank keeps its own shard's files (the store key names the rank).
+A block loaded in the step that failed on one rank was computed on with garbage on every rank
+(a step's attention spans all ranks' heads), so that step's saves for its request are skipped
+on every rank: the ranks agree on which failed with one small all-reduce, in the steps that
+load and save.
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
+import torch.distributed as dist
+
+from kvgraph.distributed import tensor_parallel_group
 from kvgraph.errors import ConfigError
 from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.base import (
@@ -88,6 +98,7 @@ class SharedStorageConnector(KVConnectorBase):
         self._finished_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()  # this step's: their computed blocks are wrong
+        self._tp_group: dist.ProcessGroup | None = None  # the ranks that agree on those
         self.counts = {"loaded_tokens": 0, "saved_tokens": 0, "load_failures": 0}
 
     @classmethod
@@ -167,6 +178,13 @@ class SharedStorageConnector(KVConnectorBase):
 
     def register_kv_caches(self, kv_caches: dict[str, KVCache]) -> None:
         self._caches = dict(kv_caches)
+        tp_size = self.store.layout.tp_size
+        if tp_size > 1:
+            tp = tensor_parallel_group()
+            if tp.world_size != tp_size:
+                raise ConfigError("tp_size", f"SharedStorageConnector: built for {tp_size} "
+                                  f"tensor-parallel ranks, but this process has {tp.world_size}")
+            self._tp_group = tp.cpu_group
 
     def start_load_kv(self, attn_metadata: Any) -> None:
         self._failed_requests = set()
@@ -204,12 +222,25 @@ class SharedStorageConnector(KVConnectorBase):
                 self._failed_requests.add(load.request_id)
 
     def wait_for_save(self) -> None:
+        failed = self._failed_on_any_rank()
         for save in getattr(self.connector_metadata, "saves", ()):
-            if save.request_id in self._failed_requests:
+            if save.request_id in failed:
                 continue
             for block_hash, block_id in zip(save.block_hashes, save.block_ids):
                 if self.store.save(block_hash, block_id, self._caches):
                     self.counts["saved_tokens"] += self.block_size
+
+    def _failed_on_any_rank(self) -> set[str]:
+        """This step's requests whose load in the step failed here or on another rank."""
+        metadata = self.connector_metadata
+        loaded = [load.request_id for load in getattr(metadata, "loads", ())
+                  if not load.asynchronous]
+        # Every rank has the same metadata: all of them exchange, or none.
+        if self._tp_group is None or not (loaded and getattr(metadata, "saves", ())):
+            return self._failed_requests
+        flags = torch.tensor([r in self._failed_requests for r in loaded], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._tp_group)
+        return {r for r, flag in zip(loaded, flags.tolist()) if flag}
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

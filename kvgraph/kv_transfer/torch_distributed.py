@@ -1,7 +1,7 @@
 """TorchDistributedConnector: disaggregated prefill (pair_connector.py) over torch.distributed:
-each D that pulls from a P joins it in a gloo group of two (a BlockPair), and P sends each
-pulled request's blocks straight from its cache into D's (NCCL or HCCL are the next step on
-devices)."""
+each D that pulls from a P joins it in a process group of two (a BlockPair: gloo on the CPU,
+NCCL on CUDA, HCCL on Ascend), and P sends each pulled request's blocks straight from its cache
+into D's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvgraph.kv_transfer.pair_connector import PairConnector
 from kvgraph.kv_transfer.pair_transport import PairTransport
 
 
-class GlooTransport:
+class PointToPointTransport:
     """Two-sided: P sends, D receives, over a BlockPair per D (see PairTransport)."""
 
     def __init__(self, kv_caches: dict[str, KVCache], host: str, timeout_s: float):
@@ -23,7 +23,7 @@ class GlooTransport:
 
     def offer(self) -> dict[str, Any]:
         with socket.create_server((self.host, 0)) as probe:  # a free port for the pair's store
-            return {"kind": "gloo", "host": self.host, "port": probe.getsockname()[1]}
+            return {"kind": "torch.distributed", "host": self.host, "port": probe.getsockname()[1]}
 
     def accept(self, offer: dict[str, Any]) -> BlockPair:
         return self._pair(offer, SENDER)
@@ -49,7 +49,8 @@ class GlooTransport:
 
 
 class TorchDistributedConnector(PairConnector):
-    """Disaggregated prefill over gloo (see the module docstring and pair_connector.py)."""
+    """Disaggregated prefill over torch.distributed (see the module docstring and
+    pair_connector.py)."""
 
     def new_transport(self, kv_caches: dict[str, KVCache]) -> PairTransport:
-        return GlooTransport(kv_caches, self.host, self.timeout_s)
+        return PointToPointTransport(kv_caches, self.host, self.timeout_s)

@@ -4,8 +4,8 @@ decode server (D) as one OpenAI endpoint.
 
 References are independent of the code under test: a colocated server with no connector gives
 the greedy text; vLLM's rule gives the counts (P offers every block of the prompt, the partial
-last one too: `ceil(P / BLOCK)`; D loads every prompt token but the last, whose logits it
-computes: `P - 1`); stand-in servers record what the proxy sends them.
+last one too: `ceil(P / BLOCK)`; D continues from P's first token, so it loads every prompt
+token, `P`, and computes none); stand-in servers record what the proxy sends them.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from examples.disagg_proxy import build_app, build_parser  # noqa: E402
 from examples.engine.errors import RequestError  # noqa: E402
 from examples.engine.protocol import parse_chat, parse_completion  # noqa: E402
 from tests.examples.test_fail_fast import refused, run  # noqa: E402
-from tests.examples.test_serve_kv_connector import settled_metrics  # noqa: E402
 from tests.support.openai_answers import MAX_TOKENS, MESSAGES, ask
-from tests.support.disaggregated import Upstream, launched, serving_apps  # noqa: E402
+from tests.support.disaggregated import (  # noqa: E402
+    Upstream, launched, serving_apps, settled_metrics)
 from tests.support.scripts import free_port  # noqa: E402
+from tests.support.transfer_engines import require_mooncake, require_nixl  # noqa: E402
 from tests.support.servers import serving, wait_for_free_blocks  # noqa: E402
 
 BLOCK = 16
@@ -41,12 +42,12 @@ def offered_blocks(prompt_tokens: int) -> int:
 
 
 def loaded_tokens(prompt_tokens: int) -> int:
-    """How many prompt tokens D loads from P: all but the last, whose logits D computes."""
-    return prompt_tokens - 1
+    """How many prompt tokens D loads from P: all (it continues from P's first token)."""
+    return prompt_tokens
 
 
-def transfer_config(role: str, **settings) -> str:
-    return json.dumps({"kv_connector": "TorchDistributedConnector", "kv_role": role,
+def transfer_config(role: str, connector: str = "TorchDistributedConnector", **settings) -> str:
+    return json.dumps({"kv_connector": connector, "kv_role": role,
                        "kv_connector_extra_config": settings})
 
 
@@ -251,19 +252,31 @@ def test_a_port_in_use_is_one_line_and_the_proxy_never_imports_torch():
 
 # --- P, D and the proxy as a user runs them ---------------------------------------------------
 
-@pytest.mark.slow
-def test_the_proxy_over_p_and_d_answers_as_one_colocated_server(checkpoint, tmp_path):
-    model = ["examples/serve.py", "--model", str(checkpoint), *SERVE_FLAGS]
-    with launched(model, tmp_path / "colocated.log") as url:
-        reference, reference_chat, reference_usage = ask(url)
+# Each transport once, and the MLA model (random weights, seeded alike on every server) once.
+PAIRS = [("llama", "TorchDistributedConnector"), ("mla", "MooncakeConnector"),
+         ("llama", "NixlConnector")]
 
-    producer = transfer_config("kv_producer", port=free_port())
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, connector", PAIRS)
+def test_the_proxy_over_p_and_d_answers_as_one_colocated_server(kind, connector, checkpoint,
+                                                                tmp_path):
+    {"MooncakeConnector": require_mooncake, "NixlConnector": require_nixl}.get(
+        connector, lambda: None)()
+    model = ["examples/serve.py", *SERVE_FLAGS, *(
+        ["--model", str(checkpoint)] if kind == "llama"
+        else ["--model", kind, "--max-model-len", "512"])]  # a byte tokenizer: longer prompts
+    chat = kind == "llama"  # the random-weight MLA model has no chat template
+    with launched(model, tmp_path / "colocated.log") as url:
+        reference, reference_chat, reference_usage = ask(url, chat)
+
+    producer = transfer_config("kv_producer", connector, port=free_port())
+    consumer = transfer_config("kv_consumer", connector)
     with launched([*model, "--kv-transfer-config", producer], tmp_path / "p.log") as p, \
-            launched([*model, "--kv-transfer-config", transfer_config("kv_consumer")],
-                     tmp_path / "d.log") as d, \
+            launched([*model, "--kv-transfer-config", consumer], tmp_path / "d.log") as d, \
             launched(["examples/disagg_proxy.py", "--prefill", p, "--decode", d],
                      tmp_path / "proxy.log") as proxy:
-        completion, chat, usage = ask(proxy)
+        completion, streamed, usage = ask(proxy, chat)
         prompts = [completion.usage.prompt_tokens, usage.prompt_tokens]
         pulled = [loaded_tokens(n) for n in prompts]
         metrics = settled_metrics(d, "kvgraph_kv_connector_loaded_tokens_total", sum(pulled))
@@ -271,10 +284,12 @@ def test_the_proxy_over_p_and_d_answers_as_one_colocated_server(checkpoint, tmp_
         p_health = wait_for_free_blocks(p)
 
     assert min(prompts) > 3 * BLOCK  # several blocks each
-    assert completion.choices[0].text == reference.choices[0].text and chat == reference_chat
+    assert completion.choices[0].text == reference.choices[0].text
+    assert streamed == reference_chat
     assert completion.usage.completion_tokens == usage.completion_tokens == MAX_TOKENS
     assert prompts == [reference.usage.prompt_tokens, reference_usage.prompt_tokens]
     assert [completion.usage.prompt_tokens_details.cached_tokens,
             usage.prompt_tokens_details.cached_tokens] == pulled
     assert metrics["kvgraph_kv_connector_failed_blocks_total"] == 0
+    assert metrics["kvgraph_prompt_tokens_computed_total"] == 0
     assert p_health["kv_blocks_free"] == p_health["kv_blocks_total"]

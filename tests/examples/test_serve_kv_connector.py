@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.examples.test_fail_fast import refused
-from tests.support.disaggregated import launched
+from tests.support.disaggregated import launched, settled_metrics
 from tests.support.openai_answers import MAX_TOKENS, ask
 from tests.support.scripts import REPO, SCRIPT_ENV
 
@@ -38,26 +38,6 @@ def transfer_config(path: Path, connector: str = "SharedStorageConnector") -> st
 def served(log: Path, *flags: str):
     """examples/serve.py in a process of its own, healthy, until the block ends: its URL."""
     return launched(["examples/serve.py", *flags], log)
-
-
-def connector_metrics(url: str) -> dict[str, float]:
-    import httpx
-
-    values = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("kvgraph_kv_connector_"):
-            name, value = line.split(" ")
-            values[name] = float(value)
-    return values
-
-
-def settled_metrics(url: str, name: str, value: float) -> dict[str, float]:
-    """/metrics once `name` reads `value` (the stats snapshot may trail an answer a little)."""
-    deadline = time.monotonic() + 30
-    while (metrics := connector_metrics(url))[name] != value:
-        assert time.monotonic() < deadline, f"{name} stayed {metrics[name]}, never {value}"
-        time.sleep(0.1)
-    return metrics
 
 
 @pytest.mark.slow

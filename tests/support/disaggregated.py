@@ -1,7 +1,8 @@
 """Disaggregated serving in tests: the servers as a user starts them, and stand-ins for them.
 
 `launched(command, log)` runs an example script (serve.py, disagg_proxy.py) in a process group
-of its own until the block ends, once its /health answers 200. `Upstream` is a stand-in for a
+of its own until the block ends, once its /health answers 200; `connector_metrics` and
+`settled_metrics` read its KV connector's counts on /metrics. `Upstream` is a stand-in for a
 prefill or decode server, serving a canned answer and recording the bodies it was sent, so the
 proxy's requests can be checked without a model.
 """
@@ -25,8 +26,14 @@ from tests.support.scripts import REPO, SCRIPT_ENV, free_port
 START_TIMEOUT_S = 240
 
 
+class ServerURL(str):
+    """A launched server's URL, with its `pid` (its process group's id too: it leads one)."""
+
+    pid: int
+
+
 @contextlib.contextmanager
-def launched(command: list[str], log: Path) -> Iterator[str]:
+def launched(command: list[str], log: Path) -> Iterator[ServerURL]:
     """`python <command> --port N` until the block ends: its URL, once healthy. Its output goes
     to `log`, shown when it dies or does not start in START_TIMEOUT_S."""
     port = free_port()
@@ -34,7 +41,8 @@ def launched(command: list[str], log: Path) -> Iterator[str]:
         process = subprocess.Popen([sys.executable, *command, "--port", str(port)], cwd=REPO,
                                    env=SCRIPT_ENV, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url = ServerURL(f"http://127.0.0.1:{port}")
+    url.pid = process.pid
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -54,6 +62,25 @@ def launched(command: list[str], log: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def connector_metrics(url: str) -> dict[str, float]:
+    """A server's KV connector counts on /metrics, and its prompt tokens computed."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(("kvgraph_kv_connector_", "kvgraph_prompt_tokens_computed")):
+            name, value = line.split(" ")
+            values[name] = float(value)
+    return values
+
+
+def settled_metrics(url: str, name: str, value: float) -> dict[str, float]:
+    """/metrics once `name` reads `value` (the stats snapshot may trail an answer a little)."""
+    deadline = time.monotonic() + 30
+    while (metrics := connector_metrics(url))[name] != value:
+        assert time.monotonic() < deadline, f"{name} stayed {metrics[name]}, never {value}"
+        time.sleep(0.1)
+    return metrics
 
 
 @dataclass

@@ -1,12 +1,16 @@
 """One side of a BlockPair, in a process of its own: `python -m tests.support.kv_pair_worker
-ROLE PORT KIND SRC DST` (ids comma-separated). Both sides fill their caches from seeds of their
-own; the receiver prints, as JSON, whether each received block equals the sender's (recomputed
-from the sender's seed) and whether every message was received straight into its cache."""
+ROLE PORT KIND SRC DST [DIE_AFTER]` (ids comma-separated). Both sides fill their caches from
+seeds of their own; the receiver prints, as JSON, whether each received block equals the
+sender's (recomputed from the sender's seed) and whether every message was received straight
+into its cache. With DIE_AFTER the sender sends only its first DIE_AFTER blocks, then dies
+mid-transfer; the receiver then prints the error its receive raised and how long it took."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import torch
 
@@ -38,14 +42,24 @@ class RecordingGroup:
         return self.group.recv(tensors, peer, tag)
 
 
-def main(role: str, port: int, kind: str, src: list[int], dst: list[int]) -> None:
+def main(role: str, port: int, kind: str, src: list[int], dst: list[int],
+         die_after: int | None = None) -> None:
     mine = caches(kind, seed=1 if role == SENDER else 2)
     pair = BlockPair(mine, "127.0.0.1", port, role, timeout_s=60)
     if role == SENDER:
-        pair.send(src, dst, tag=3)
+        pair.send(src[:die_after], dst[:die_after], tag=3)
+        if die_after is not None:
+            os._exit(3)  # gone mid-transfer, as a killed prefill server is
         return
     before = {name: tuple(t.clone() for t in cache) for name, cache in mine.items()}
     pair.group = RecordingGroup(pair.group)
+    if die_after is not None:
+        start = time.monotonic()
+        try:
+            pair.recv(src, dst, tag=3)
+        except ConnectionError as error:
+            print(json.dumps({"error": str(error), "seconds": time.monotonic() - start}))
+        return
     pair.recv(src, dst, tag=3)
     sent = caches(kind, seed=1)
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
@@ -62,4 +76,5 @@ def main(role: str, port: int, kind: str, src: list[int], dst: list[int]) -> Non
 
 if __name__ == "__main__":
     ids = [[int(b) for b in arg.split(",")] for arg in sys.argv[4:6]]
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *ids)
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], *ids,
+         *(int(arg) for arg in sys.argv[6:7]))

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from examples.engine import SamplingParams
+from examples.engine.errors import RequestError
 from kvgraph.kv_transfer import KVTransferConfig
 from tests.support.kv_engines import BLOCK_SIZE, GREEDY, PROMPTS, generate, make_kv_engine
 from tests.support.transfer_engines import require_mooncake, require_nixl
@@ -68,22 +69,98 @@ def test_decode_continues_from_the_prefill_engines_blocks(kind, connector):
         params = prefill(p, prompt)
         request = decode(p, d, prompt, params)
         assert tuple(request.output_token_ids) == expected
-        # D computed one prompt token, the last (its logits give the next token).
-        assert request.num_cached_tokens == len(prompt) - 1
+        # D continued from P's first token: every prompt token came from P (or D's cache).
+        assert request.num_cached_tokens == len(prompt)
     assert p.allocator.num_free == free  # every held block freed once D had it
     stats = d.stats()
+    assert stats["prompt_tokens_computed"] == 0
     # The second prompt found the common prefix (6 blocks) in D's own prefix cache: only the
     # blocks after it came from P, the partial last one included.
-    loaded = [len(PROMPTS[0]) - 1, len(PROMPTS[1]) - 1 - 6 * BLOCK_SIZE]
+    loaded = [len(PROMPTS[0]), len(PROMPTS[1]) - 6 * BLOCK_SIZE]
     assert stats["kv_connector_loaded_tokens"] == sum(loaded)
     assert stats["prefix_cache_hit_tokens"] == 6 * BLOCK_SIZE
-    pulled = [-(-(len(PROMPTS[0]) - 1) // BLOCK_SIZE),
-              -(-(len(PROMPTS[1]) - 1) // BLOCK_SIZE) - 6]
+    pulled = [-(-len(PROMPTS[0]) // BLOCK_SIZE), -(-len(PROMPTS[1]) // BLOCK_SIZE) - 6]
     assert stats["runner"]["kv_connector"]["failed_pulls"] == 0
     assert p.stats()["runner"]["kv_connector"]["sent_blocks"] == sum(pulled)
     assert stats["runner"]["graph_mode"] == "full"  # a whole-request pull keeps full graphs
     d.runner.close()
     p.runner.close()
+
+
+def test_without_ps_first_token_decode_computes_the_prompts_last_as_vllms_does():
+    reference = generate(make_kv_engine("llama"), PROMPTS[:1])
+    p, d = producer(), consumer()
+    params = {**prefill(p, PROMPTS[0]), "first_token_ids": None}  # a vLLM prefill's answer
+    request = decode(p, d, PROMPTS[0], params)
+    assert tuple(request.output_token_ids) == reference[0]
+    assert request.num_cached_tokens == len(PROMPTS[0]) - 1
+    assert d.stats()["prompt_tokens_computed"] == 1
+    d.runner.close()
+    p.runner.close()
+
+
+def test_a_request_asking_for_logprobs_computes_the_prompts_last_for_them():
+    params_d = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    reference = make_kv_engine("llama").generate([PROMPTS[0]], params_d)[0].token_ids
+    p, d = producer(), consumer()
+    request = d.add_request(PROMPTS[0], params_d, kv_transfer_params=prefill(p, PROMPTS[0]))
+    outputs = []
+    while d.has_unfinished or p.has_unfinished:
+        outputs += d.step()
+        p.step()
+    assert tuple(request.output_token_ids) == reference
+    assert all(o.logprobs is not None for o in outputs if o.token_ids)
+    assert d.stats()["prompt_tokens_computed"] == 1
+    d.runner.close()
+    p.runner.close()
+
+
+def test_a_seeded_sampled_request_gives_a_colocated_engines_tokens():
+    sampled = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+    reference = make_kv_engine("llama").generate([PROMPTS[0]], sampled)[0].token_ids
+    p, d = producer(), consumer()
+    first = p.add_request(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.9, seed=7,
+                                                     ignore_eos=True),
+                          kv_transfer_params={"do_remote_decode": True})
+    while not first.finished:
+        p.step()
+    request = d.add_request(PROMPTS[0], sampled, kv_transfer_params=first.kv_transfer_result)
+    while d.has_unfinished or p.has_unfinished:
+        d.step()
+        p.step()
+    assert tuple(request.output_token_ids) == reference
+    assert d.stats()["prompt_tokens_computed"] == 0
+    d.runner.close()
+    p.runner.close()
+
+
+def test_a_request_of_one_token_ends_with_ps_and_p_frees_its_blocks_at_once():
+    p, d = producer(timeout_s=60.0), consumer()
+    free = p.allocator.num_free
+    params = prefill(p, PROMPTS[0])
+    request = d.add_request(PROMPTS[0], PREFILL_ONLY, kv_transfer_params=params)
+    assert tuple(request.output_token_ids) == tuple(params["first_token_ids"])
+    outputs = []
+    deadline = time.monotonic() + 20  # far below P's timeout: D told P it needs nothing
+    while d.has_unfinished or p.has_unfinished:
+        assert time.monotonic() < deadline
+        outputs += d.step()
+        p.step()
+    assert [o.token_ids for o in outputs] == [tuple(params["first_token_ids"])]
+    assert outputs[0].finished and d.stats()["steps"] == 0
+    assert p.allocator.num_free == free
+    d.runner.close()
+    p.runner.close()
+
+
+def test_a_first_token_outside_the_vocabulary_is_refused_naming_it():
+    d = consumer()
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1,
+              "remote_block_ids": [0], "first_token_ids": [10**6]}
+    with pytest.raises(RequestError, match="first_token_ids.*token ids in"):
+        d.add_request(PROMPTS[0], GREEDY, kv_transfer_params=params)
+    assert not d.has_unfinished
+    d.runner.close()
 
 
 def test_a_prefill_engine_gone_means_decode_computes_the_prompt():

@@ -32,6 +32,7 @@ class FakeEngine:
         self.stats = {
             "running": 0, "waiting": 0, "kv_blocks_total": 64, "kv_blocks_free": 64,
             "preemptions": 0, "prefix_cache_queried_tokens": 0, "prefix_cache_hit_tokens": 0,
+            "prompt_tokens_computed": 0,
             "prefix_cache_evictions": 0, "prefix_cache_blocks": 0, "aborted": 0, "failed": 0,
             "step_retries": 0, "steps": 0,
             "runner": {"hits": {}, "fallbacks": 0, "uncaptured": 0, "padded_tokens": 0,

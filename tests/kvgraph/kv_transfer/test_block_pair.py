@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvgraph.errors import ConfigError
-from kvgraph.kv_transfer.block_pair import paired_runs
+from kvgraph.kv_transfer.block_pair import pair_group, paired_runs
 from kvgraph.kv_transfer.compatibility import check_compatible, kv_fingerprint
 from tests.support.kv_pair_worker import caches
 from tests.support.transfer_engines import require_mooncake, require_nixl
@@ -32,18 +32,27 @@ def test_runs_break_where_either_side_stops_being_consecutive():
         paired_runs([1, 2], [3])
 
 
-def transfer(kind: str, src: list[int], dst: list[int]) -> dict:
+def transfer(kind: str, src: list[int], dst: list[int], *die_after: int) -> dict:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ids = [",".join(map(str, src)), ",".join(map(str, dst))]
+    ids = [",".join(map(str, src)), ",".join(map(str, dst)), *map(str, die_after)]
     sides = [subprocess.Popen([sys.executable, "-m", "tests.support.kv_pair_worker", role,
                                str(port), kind, *ids], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for role in ("sender", "receiver")]
     outputs = [side.communicate(timeout=120) for side in sides]
     for side, (_, err) in zip(sides, outputs):
-        assert side.returncode == 0, err[-3000:]
+        assert side.returncode == (3 if die_after and side is sides[0] else 0), err[-3000:]
     return json.loads(outputs[1][0])
+
+
+def test_a_sender_dying_mid_transfer_fails_the_receive_at_once_naming_it():
+    # The receiver waits for five runs; the sender sends the first two blocks and dies. The
+    # receive must fail (the pair connector then computes the prompt) long before the pair's
+    # 60 s timeout, not return as if the blocks were whole.
+    result = transfer("standard", [3, 4, 5, 9, 12], [10, 11, 2, 3, 0], 2)
+    assert "KV block transfer with the sender failed" in result["error"]
+    assert result["seconds"] < 30
 
 
 @pytest.mark.parametrize("kind", ["standard", "mla"])
@@ -72,6 +81,15 @@ def test_a_mismatched_pair_is_refused_naming_the_difference(remote, named):
     with pytest.raises(ConfigError, match="refuses to move KV blocks with decode") as error:
         check_compatible(fingerprint(), fingerprint(**remote), "decode")
     assert named in str(error.value)
+
+
+def test_a_pair_on_a_device_no_backend_serves_is_refused_naming_the_device():
+    import datetime
+
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="cpu, cuda or npu devices, not 'xpu'"):
+        pair_group("xpu", dist.HashStore(), 0, datetime.timedelta(seconds=1))
 
 
 def test_a_model_or_layer_count_difference_is_named():

@@ -49,13 +49,20 @@ def prefill(p, prompt):
 def decode(p, d, prompt, params):
     """Run `prompt` on D with P's params, stepping P beside it (it serves the pull)."""
     request = d.add_request(prompt, GREEDY, kv_transfer_params=params)
-    deadline = time.monotonic() + 60
+    step_both(p, d)
+    return request
+
+
+def step_both(p, d, timeout_s: float = 60.0) -> list:
+    """Step D, and P beside it (it serves the pulls), until both are done: D's outputs.
+    `timeout_s` stays far below P's: the pair must finish without P's timeout freeing blocks."""
+    deadline, outputs = time.monotonic() + timeout_s, []
     while d.has_unfinished or (p is not None and p.has_unfinished):
         assert time.monotonic() < deadline, "the pair did not finish"
-        d.step()
+        outputs += d.step()
         if p is not None:
             p.step()
-    return request
+    return outputs
 
 
 @pytest.mark.parametrize("connector", CONNECTORS)
@@ -104,10 +111,7 @@ def test_a_request_asking_for_logprobs_computes_the_prompts_last_for_them():
     reference = make_kv_engine("llama").generate([PROMPTS[0]], params_d)[0].token_ids
     p, d = producer(), consumer()
     request = d.add_request(PROMPTS[0], params_d, kv_transfer_params=prefill(p, PROMPTS[0]))
-    outputs = []
-    while d.has_unfinished or p.has_unfinished:
-        outputs += d.step()
-        p.step()
+    outputs = step_both(p, d)
     assert tuple(request.output_token_ids) == reference
     assert all(o.logprobs is not None for o in outputs if o.token_ids)
     assert d.stats()["prompt_tokens_computed"] == 1
@@ -125,9 +129,7 @@ def test_a_seeded_sampled_request_gives_a_colocated_engines_tokens():
     while not first.finished:
         p.step()
     request = d.add_request(PROMPTS[0], sampled, kv_transfer_params=first.kv_transfer_result)
-    while d.has_unfinished or p.has_unfinished:
-        d.step()
-        p.step()
+    step_both(p, d)
     assert tuple(request.output_token_ids) == reference
     assert d.stats()["prompt_tokens_computed"] == 0
     d.runner.close()
@@ -140,12 +142,7 @@ def test_a_request_of_one_token_ends_with_ps_and_p_frees_its_blocks_at_once():
     params = prefill(p, PROMPTS[0])
     request = d.add_request(PROMPTS[0], PREFILL_ONLY, kv_transfer_params=params)
     assert tuple(request.output_token_ids) == tuple(params["first_token_ids"])
-    outputs = []
-    deadline = time.monotonic() + 20  # far below P's timeout: D told P it needs nothing
-    while d.has_unfinished or p.has_unfinished:
-        assert time.monotonic() < deadline
-        outputs += d.step()
-        p.step()
+    outputs = step_both(p, d)  # D told P it needs nothing: done far below P's timeout
     assert [o.token_ids for o in outputs] == [tuple(params["first_token_ids"])]
     assert outputs[0].finished and d.stats()["steps"] == 0
     assert p.allocator.num_free == free

@@ -22,7 +22,8 @@ P's refusal or failure is the client's answer (P's status and body); a server th
 reached is a 502 (504 when it does not answer in --timeout). A P without a connector answers
 `kv_transfer_params: null`: D then computes the prompt itself (the same answer, later; logged
 once). More than one choice (`n` > 1) is refused (400): one prefill hands over one request.
-GET /health and /v1/models are the first D's answers.
+GET /health and /v1/models are the first D's answers. With --push, D is sent the request first
+and P pushes the blocks layer by layer as it computes them (examples/disagg_push.py).
 
 Needs fastapi, uvicorn and httpx, imported once the flags are parsed (`--help` needs none of
 them); not torch. A mistake in the flags is one line on stderr and exit status 2.
@@ -35,13 +36,19 @@ import json
 import logging
 import socket
 import sys
-import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Sequence
 
 if TYPE_CHECKING:
     import httpx
     from fastapi import FastAPI, Request, Response
+
+if __package__:
+    from .disagg_flags import OneLineParser, number, server_url
+    from .disagg_push import SideChannels, Unreachable, push_bodies, pushed
+else:
+    from disagg_flags import OneLineParser, number, server_url
+    from disagg_push import SideChannels, Unreachable, push_bodies, pushed
 
 PROG = Path(__file__).name
 PACKAGES = ("fastapi", "uvicorn", "httpx")
@@ -50,42 +57,6 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MAX_BODY_BYTES = 4 << 20
 DEFAULT_TIMEOUT_S = 600.0
 logger = logging.getLogger("examples.disagg_proxy")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose mistakes are one line (`disagg_proxy.py: error: ...`) and exit 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def server_url(text: str) -> str:
-    """argparse's type for --prefill and --decode: a server's root URL, without /v1."""
-    parts = urllib.parse.urlsplit(text)
-    try:
-        parts.port  # noqa: B018 - raises ValueError for a port that is not one
-    except ValueError:
-        parts = parts._replace(netloc="")
-    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/")
-            or parts.query or parts.fragment):
-        raise argparse.ArgumentTypeError(f"expected a server's root URL such as "
-                                         f"http://127.0.0.1:8100 (no path), got {text!r}")
-    return f"{parts.scheme}://{parts.netloc}"
-
-
-def _number(low: float, high: float, kind: type, what: str):
-    """An argparse type: a `kind` number in [low, high]."""
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not low <= value <= high:  # NaN fails too
-            raise argparse.ArgumentTypeError(f"must lie in [{low:g}, {high:g}], got {text}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,12 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "the first also answers /health and /v1/models")
     parser.add_argument("--host", default="127.0.0.1",
                         help="the address to listen on (default %(default)s: this machine only)")
-    parser.add_argument("--port", type=_number(0, 65535, int, "a TCP port"), default=8000,
+    parser.add_argument("--port", type=number(0, 65535, int, "a TCP port"), default=8000,
                         help="the TCP port to listen on (default %(default)s; 0: any free one)")
-    parser.add_argument("--timeout", type=_number(1e-3, 86400, float, "seconds"),
+    parser.add_argument("--timeout", type=number(1e-3, 86400, float, "seconds"),
                         default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help="how long to wait for a server to connect, and then for each "
                         "part of its answer (default %(default)g)")
+    parser.add_argument("--push", action="store_true",
+                        help="send D the request first and P its prefill at the same time: P "
+                        "pushes each layer's blocks into D's cache as it computes them (P with "
+                        "kv_connector_extra_config push: true; its side channel is read from "
+                        "its GET /v1/kv_transfer)")
     return parser
 
 
@@ -128,8 +104,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_app(prefill: Sequence[str], decode: Sequence[str],
-              timeout: float = DEFAULT_TIMEOUT_S) -> "FastAPI":
-    """The proxy's app over the servers at `prefill` and `decode` (root URLs)."""
+              timeout: float = DEFAULT_TIMEOUT_S, push: bool = False) -> "FastAPI":
+    """The proxy's app over the servers at `prefill` and `decode` (root URLs); `push`: the
+    layer-by-layer push's flow."""
     import contextlib
 
     import httpx
@@ -141,6 +118,7 @@ def build_app(prefill: Sequence[str], decode: Sequence[str],
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
         max_connections=None, max_keepalive_connections=None))
     warned: set[str] = set()
+    side_channels = SideChannels(client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,6 +157,21 @@ def build_app(prefill: Sequence[str], decode: Sequence[str],
         if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             return JSONResponse(error_body(f"a disaggregated request serves one choice: n must "
                                            f"be 1, got {n}", "n"), status_code=400)
+        stream = body.get("stream") is True
+        if push:
+            url, decode_url = next(next_prefill), next(next_decode)
+            try:
+                bodies = push_bodies(body, prefill_body(body), await side_channels.of(url))
+                refused, reply = await pushed(send, url, decode_url, path, bodies, stream)
+            except LookupError as error:
+                return JSONResponse(error_body(str(error), kind="server_error"), 502)
+            except httpx.HTTPError as error:
+                return unreachable("prefill", url, error)
+            except Unreachable as error:
+                return unreachable(error.role, error.url, error.error)
+            if reply is None:
+                return relayed(refused, refused.content)  # P refused or failed
+            return await answer(reply, stream)
         url = next(next_prefill)
         try:
             reply = await send(url, path, prefill_body(body))
@@ -192,11 +185,14 @@ def build_app(prefill: Sequence[str], decode: Sequence[str],
             logger.warning("the prefill server %s answers no kv_transfer_params (no kv_producer "
                            "connector?): decode servers compute those prompts themselves", url)
         url = next(next_decode)
-        stream = body.get("stream") is True
         try:
             reply = await send(url, path, {**body, "kv_transfer_params": params}, stream)
         except httpx.HTTPError as error:
             return unreachable("decode", url, error)
+        return await answer(reply, stream)
+
+    async def answer(reply: httpx.Response, stream: bool) -> Response:
+        """D's reply relayed to the client, streamed as it comes when `stream`."""
         if not stream or reply.status_code != 200:  # refused: a status, not a stream
             try:
                 return relayed(reply, await reply.aread())
@@ -287,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         listener.close()
         _fail(f"--host {args.host} --port {args.port}: cannot listen there ({error.strerror})")
     with listener:
-        app = build_app(args.prefill, args.decode, args.timeout)
+        app = build_app(args.prefill, args.decode, args.timeout, args.push)
         port = listener.getsockname()[1]
         logger.info("proxying on http://%s:%d: prefill %s, decode %s", args.host, port,
                     ", ".join(args.prefill), ", ".join(args.decode))

@@ -57,6 +57,8 @@ from kvgraph.runtime.platforms.cpu import CPUPlatform
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from kvgraph.kv_transfer import KVTransferConfig
+
 if __package__:
     from .engine import AsyncEngine, EngineDeadError, add_engine_args, build_engine, run_if_worker
     from .engine.burst_window import MAX_GAP_MS, burst_window
@@ -120,13 +122,14 @@ class BackgroundServer:
         self.sock.close()
 
 
-def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine | EngineProcess, model_name: str,
+              kv_transfer: KVTransferConfig | None = None) -> FastAPI:
     """engine/http_app.py's app over `engine`, imported here: it needs the serve extra."""
     if __package__:
         from .engine.http_app import build_app as http_app
     else:
         from engine.http_app import build_app as http_app
-    return http_app(engine, model_name)
+    return http_app(engine, model_name, kv_transfer)
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -240,7 +243,7 @@ def serve(engine: AsyncEngine | EngineProcess, args: argparse.Namespace,
         server.should_exit = True  # from the engine's thread: uvicorn polls it
 
     engine.on_fatal = stop_serving
-    app = build_app(engine, model_name(args))
+    app = build_app(engine, model_name(args), getattr(args, "kv_transfer_config", None))
     # Past the grace period, requests still in flight are cancelled, then the engine stops
     # (failing any left): a stuck engine or client cannot hold the server up.
     port = listener.getsockname()[1]  # --port 0's is the one bound

@@ -11,6 +11,8 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvgraph.kv_transfer import KVTransferConfig
+
 from .async_engine import AsyncEngine
 from .chat_template import SOURCES as CHAT_TEMPLATE_SOURCES
 from .engine_process import EngineProcess
@@ -27,8 +29,11 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT, "/health", "/v1/models", "/metrics")
 
 
-def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
-    """The FastAPI app; it starts the engine loop on start-up and stops it on shut-down."""
+def build_app(engine: AsyncEngine | EngineProcess, model_name: str,
+              kv_transfer: KVTransferConfig | None = None) -> FastAPI:
+    """The FastAPI app; it starts the engine loop on start-up and stops it on shut-down.
+    `kv_transfer`: the server's `--kv-transfer-config`, whose side channel a producer's
+    GET /v1/kv_transfer gives (a pushing proxy's discovery)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,6 +94,16 @@ def build_app(engine: AsyncEngine | EngineProcess, model_name: str) -> FastAPI:
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model",
                                             "owned_by": "kvgraph"}]}
+
+    @app.get("/v1/kv_transfer", response_model=None)
+    async def kv_transfer_side_channel() -> dict[str, Any] | JSONResponse:
+        if kv_transfer is None or not kv_transfer.is_producer:
+            return JSONResponse(error_body("this server prefills for no decode server (no "
+                                           "kv_producer or kv_both --kv-transfer-config)", None,
+                                           "not_found_error"), status_code=404)
+        return {"kv_role": kv_transfer.kv_role, "kv_connector": kv_transfer.kv_connector,
+                "host": kv_transfer.extra("host", "127.0.0.1"),
+                "port": kv_transfer.extra("port", 0)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -251,9 +251,13 @@ _TRANSFER_KEYS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "remote_port": (_is_port, "a TCP port (an integer in [1, 65535])"),
     "remote_block_ids": (_is_id_list, "a list of block ids (integers >= 0)"),
     "first_token_ids": (_is_id_list, "a list of token ids (integers >= 0)"),
+    "push": (lambda v: isinstance(v, bool), "a boolean"),
+    "transfer_id": (lambda v: isinstance(v, str) and bool(v), "a transfer id (a string)"),
 }
-# What a decode request needs to find the prefill engine's blocks.
+# What a decode request needs to find the prefill engine's blocks (a pushed one: its
+# remote_block_ids are [], as P's are not known yet, and remote_request_id is the transfer id).
 _PULL_KEYS = ("remote_host", "remote_port", "remote_block_ids")
+_PUSH_KEYS = ("remote_host", "remote_port", "remote_request_id")
 
 
 def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -269,9 +273,11 @@ def _kv_transfer_params(body: dict[str, Any]) -> dict[str, Any] | None:
         if value.get(key) is not None and not check(value[key]):
             raise RequestError("kv_transfer_params", f"kv_transfer_params.{key} must be "
                                f"{expected}, got {_shown(value[key])}")
-    missing = [key for key in _PULL_KEYS if value.get("do_remote_prefill")
-               and value.get(key) is None]
-    if missing:
-        raise RequestError("kv_transfer_params", "kv_transfer_params with do_remote_prefill "
-                           f"needs {', '.join(missing)} (the prefill server's answer gives them)")
+    for flag, needed in (("do_remote_prefill", _PUSH_KEYS if value.get("push") else _PULL_KEYS),
+                         ("do_remote_decode", ("transfer_id",) if value.get("push") else ())):
+        missing = [key for key in needed if value.get(flag) and value.get(key) is None]
+        if missing:
+            raise RequestError("kv_transfer_params", f"kv_transfer_params with {flag} needs "
+                               f"{', '.join(missing)} (the prefill server's answer, or for a "
+                               "push the proxy, gives them)")
     return value

@@ -69,6 +69,11 @@ class BlockPair:
             raise ValueError(f"role: expected {SENDER!r} or {RECEIVER!r}, got {role!r}")
         self.role = role
         self.tensors = [t for _, cache in sorted(kv_caches.items()) for t in cache]
+        # Each layer's tensors' numbers in `tensors`, for moving one layer's blocks (`post`).
+        self.layer_tensors: dict[str, list[int]] = {}
+        for name, cache in sorted(kv_caches.items()):
+            first = sum(len(ids) for ids in self.layer_tensors.values())
+            self.layer_tensors[name] = list(range(first, first + len(cache)))
         self.num_blocks = self.tensors[0].shape[0] if self.tensors else 0
         timeout = datetime.timedelta(seconds=timeout_s)
         rank = 0 if role == SENDER else 1
@@ -82,15 +87,19 @@ class BlockPair:
 
     def send(self, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int = 0) -> None:
         """Send blocks `src_ids` of this cache to the receiver's `dst_ids`; returns when sent."""
-        self._exchange(src_ids, dst_ids, tag, sending=True)
+        self.wait(self.post(src_ids, dst_ids, True, first_tag=tag * MESSAGES_PER_TAG))
 
     def recv(self, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int = 0) -> None:
         """Receive the sender's blocks `src_ids` into this cache's `dst_ids`; returns when they
         are written."""
-        self._exchange(src_ids, dst_ids, tag, sending=False)
+        self.wait(self.post(src_ids, dst_ids, False, first_tag=tag * MESSAGES_PER_TAG))
 
-    def _exchange(self, src_ids: Sequence[int], dst_ids: Sequence[int], tag: int,
-                  sending: bool) -> None:
+    def post(self, src_ids: Sequence[int], dst_ids: Sequence[int], sending: bool,
+             tensors: Sequence[int] | None = None, first_tag: int = 0) -> list:
+        """Start moving blocks `src_ids` into `dst_ids` of the tensors numbered `tensors` (all
+        by default; `layer_tensors` numbers a layer's), one message per run and tensor, tagged
+        `first_tag` on; returns their works, not waited for (`wait`), so the caller may go on
+        computing while they move. Both sides must post the same ids, tensors and tags."""
         local = src_ids if sending else dst_ids
         bad = [b for b in local if not 0 <= b < self.num_blocks]
         if bad:
@@ -99,15 +108,20 @@ class BlockPair:
         if not sending and len(set(dst_ids)) != len(dst_ids):
             raise ValueError("a block cannot receive twice in one transfer: destination ids "
                              f"{list(dst_ids)} repeat")
-        works, index = [], tag * MESSAGES_PER_TAG
+        chosen = [self.tensors[i] for i in tensors] if tensors is not None else self.tensors
+        works, index = [], first_tag
+        op = self.group.send if sending else self.group.recv
         for src, dst, length in paired_runs(src_ids, dst_ids):
             start = src if sending else dst
-            for tensor in self.tensors:
+            for tensor in chosen:
                 view = tensor[start:start + length]  # contiguous: the run's bytes in place
-                op = self.group.send if sending else self.group.recv
                 works.append(op([view], self.peer, index))
                 index += 1
                 self.bytes_moved += view.numel() * view.element_size()
+        return works
+
+    def wait(self, works: Sequence) -> None:
+        """Wait for works `post` started: the blocks are sent (may be overwritten) or written."""
         try:
             for work in works:
                 work.wait()

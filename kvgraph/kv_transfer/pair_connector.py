@@ -188,8 +188,10 @@ class PairConnector(KVConnectorBase):
             self._server = SideChannelServer(self.host, self.port + self._tp[0], self._serve_peer)
 
     def _serve_peer(self, conn: socket.socket) -> None:
+        self._serve_pulls(conn, recv_message(conn))
+
+    def _serve_pulls(self, conn: socket.socket, hello: dict[str, Any]) -> None:
         """P: one D's handshake, then its pulls, one at a time, until it leaves."""
-        hello = recv_message(conn)
         try:
             check_compatible(self.fingerprint, hello.get("fingerprint", {}), "the decode engine")
         except ConfigError as error:
@@ -269,15 +271,25 @@ class PairConnector(KVConnectorBase):
         once."""
         peer = self._peers.get((host, port))
         if peer is None:
-            conn = socket.create_connection((host, port), timeout=self.timeout_s)
-            send_message(conn, {"fingerprint": self.fingerprint})
-            answer = recv_message(conn)
+            conn, offer = self._join(host, port, {})
+            peer = self._peers[(host, port)] = (conn, self._transport.connect(offer))
+        return peer
+
+    def _join(self, host: str, port: int, hello: dict[str, Any]
+              ) -> tuple[socket.socket, dict[str, Any]]:
+        """D: a new side-channel connection to P, fingerprints compared (`hello` added to
+        D's); it and P's transport offer."""
+        conn = socket.create_connection((host, port), timeout=self.timeout_s)
+        send_message(conn, {"fingerprint": self.fingerprint, **hello})
+        answer = recv_message(conn)
+        try:
             if "error" in answer:
-                conn.close()
                 raise ConfigError("kv_transfer_config", answer["error"])
             check_compatible(self.fingerprint, answer["fingerprint"], "the prefill engine")
-            peer = self._peers[(host, port)] = (conn, self._transport.connect(answer["transport"]))
-        return peer
+        except ConfigError:
+            conn.close()
+            raise
+        return conn, answer["transport"]
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

@@ -20,10 +20,45 @@ class RemotePull:
     local_block_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class RemotePush:
+    """D's blocks `local_block_ids`, from its block `first_block` on, that P is to push its
+    blocks of transfer `transfer_id` into (none: D needs nothing of them, P may free them)."""
+
+    request_id: str
+    transfer_id: str
+    remote_host: str
+    remote_port: int
+    first_block: int
+    local_block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushChunk:
+    """P: a chunk of a pushed request's prompt that runs in this step: its tokens
+    `[start, end)`, the request's blocks so far, and the prompt's length."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    prompt_len: int
+
+    def written_blocks(self, block_size: int) -> int:
+        """How many of the request's blocks hold every token they will once the chunk ran
+        (the last, partial block too, once the prompt's last chunk did)."""
+        if self.end >= self.prompt_len:
+            return -(-self.prompt_len // block_size)
+        return self.end // block_size
+
+
 @dataclass
 class PairMetadata(KVConnectorMetadata):
     pulls: list[RemotePull] = field(default_factory=list)  # D: start these
     held: dict[str, float] = field(default_factory=dict)  # P: request -> deadline to free by
+    pushes: list[RemotePush] = field(default_factory=list)  # D: register, then receive these
+    push_chunks: list[PushChunk] = field(default_factory=list)  # P: push these as they run
 
 
 class PairTransport(Protocol):

@@ -1,7 +1,8 @@
 """TorchDistributedConnector: disaggregated prefill (pair_connector.py) over torch.distributed:
 each D that pulls from a P joins it in a process group of two (a BlockPair: gloo on the CPU,
 NCCL on CUDA, HCCL on Ascend), and P sends each pulled request's blocks straight from its cache
-into D's."""
+into D's, pulled by D once P prefilled a request or, with `push: true` on P, pushed by P layer
+by layer as it computes (layer_push.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.block_pair import RECEIVER, SENDER, BlockPair
-from kvgraph.kv_transfer.pair_connector import PairConnector
+from kvgraph.kv_transfer.layer_push import LayerPushConnector
 from kvgraph.kv_transfer.pair_transport import PairTransport
 
 
@@ -48,9 +49,9 @@ class PointToPointTransport:
         self.pairs.clear()
 
 
-class TorchDistributedConnector(PairConnector):
-    """Disaggregated prefill over torch.distributed (see the module docstring and
-    pair_connector.py)."""
+class TorchDistributedConnector(LayerPushConnector):
+    """Disaggregated prefill over torch.distributed (see the module docstring,
+    pair_connector.py and layer_push.py)."""
 
     def new_transport(self, kv_caches: dict[str, KVCache]) -> PairTransport:
         return PointToPointTransport(kv_caches, self.host, self.timeout_s)

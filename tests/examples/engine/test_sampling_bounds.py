@@ -12,12 +12,11 @@ reference for the other requests is each run alone.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
 
-from examples.engine import FinishReason, RequestError, SamplingParams
+from examples.engine import RequestError, SamplingParams
 from examples.engine import sampling_params as bounds
 from examples.engine.detokenizer import Detokenizer
 from examples.engine.protocol import parse_chat, parse_completion

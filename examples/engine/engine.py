@@ -219,6 +219,9 @@ class LLMEngine:
         else:
             try:
                 logits = self.runner.execute(batch, metadata)
+            except kvgraph.BatchError:  # refused before the connector ran: its loads (which
+                self.runner.kv_connector.transfer(metadata)  # requests wait for) run alone
+                raise
             finally:  # a failed step's report counts too: it may say loads are done
                 self._kv_report = merged(self._kv_report, self.runner.kv_connector.output)
         if any(c.request.params.prompt_logprobs is not None for c in chunks):

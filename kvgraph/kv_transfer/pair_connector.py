@@ -11,10 +11,10 @@ also carries the token(s) it generated (`first_token_ids`, a key of kvgraph's th
 passes through): D continues from them and computes no prompt token; without them D computes
 the prompt's last token, as vLLM's D does.
 
-D's worker joins P's side channel (`remote_host:remote_port`, P's `port` setting) once: the two
-compare cache fingerprints (a mismatched pair is refused, naming the difference) and connect
-the subclass's transport, which moves each pulled request's blocks straight from P's cache into
-D's (torch_distributed.py: a gloo group of two; mooncake.py: Mooncake's Transfer Engine). Per
+D's worker joins P's side channel (`remote_host:remote_port`, P's `port` setting; with tensor
+parallelism rank r's is `port + r`) once: the two compare cache fingerprints (a mismatched pair
+is refused, naming the difference) and connect the subclass's transport, which moves each pulled
+request's blocks from P's cache into D's (torch_distributed.py, mooncake.py, nixl.py). Per
 pull, over the side channel: D asks for a request's blocks, P answers once it holds them, both
 run the transport, D says done; P frees the blocks then, or after `timeout_s` if D never says
 it (D gone mid-transfer included). Settings (`kv_connector_extra_config`): `host` (default

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import kvgraph
 from examples.engine import SamplingParams
 from examples.engine.errors import RequestError
 from kvgraph.kv_transfer import KVTransferConfig
@@ -158,6 +159,33 @@ def test_a_first_token_outside_the_vocabulary_is_refused_naming_it():
         d.add_request(PROMPTS[0], GREEDY, kv_transfer_params=params)
     assert not d.has_unfinished
     d.runner.close()
+
+
+def test_a_step_the_runner_refuses_still_starts_the_pulls_its_requests_wait_for(monkeypatch):
+    # The runner refuses a batch (BatchError) before its connector step runs: the step's
+    # metadata, which starts the pull of a request admitted in it, must reach the worker all the
+    # same, or that request would wait for its blocks forever.
+    reference = generate(make_kv_engine("llama"), PROMPTS[:2])
+    p, d = producer(), consumer()
+    params = prefill(p, PROMPTS[1])
+    running = d.add_request(PROMPTS[0], GREEDY)
+    d.step()  # PROMPTS[0] prefilled: the next step decodes it and admits the pulled request
+    prepare, refused = d.runner.prepare_step, []
+
+    def refuse_once(chunks):
+        if not refused:
+            refused.append(len(chunks))
+            raise kvgraph.BatchError("refused once, as a test")
+        return prepare(chunks)
+
+    monkeypatch.setattr(d.runner, "prepare_step", refuse_once)
+    pulled = decode(p, d, PROMPTS[1], params)
+    assert refused == [1]  # the decode of PROMPTS[0]; the pulled request was parked
+    assert tuple(running.output_token_ids) == reference[0]
+    assert tuple(pulled.output_token_ids) == reference[1]
+    assert d.stats()["runner"]["kv_connector"]["received_blocks"] > 0
+    d.runner.close()
+    p.runner.close()
 
 
 def test_a_prefill_engine_gone_means_decode_computes_the_prompt():

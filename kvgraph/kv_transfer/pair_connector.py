@@ -42,7 +42,8 @@ from kvgraph.kv_transfer.base import (
 from kvgraph.kv_transfer.compatibility import check_compatible, kv_fingerprint
 from kvgraph.kv_transfer.config import KVTransferConfig
 from kvgraph.kv_transfer.pair_transport import PairMetadata, PairTransport, RemotePull
-from kvgraph.kv_transfer.side_channel import SideChannelServer, recv_message, send_message
+from kvgraph.kv_transfer.side_channel import (
+    SideChannelServer, no_delay, recv_message, send_message)
 
 logger = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class PairConnector(KVConnectorBase):
               ) -> tuple[socket.socket, dict[str, Any]]:
         """D: a new side-channel connection to P, fingerprints compared (`hello` added to
         D's); it and P's transport offer."""
-        conn = socket.create_connection((host, port), timeout=self.timeout_s)
+        conn = no_delay(socket.create_connection((host, port), timeout=self.timeout_s))
         send_message(conn, {"fingerprint": self.fingerprint, **hello})
         answer = recv_message(conn)
         try:

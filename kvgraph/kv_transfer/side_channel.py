@@ -19,6 +19,13 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE = 16 * 2**20
 
 
+def no_delay(sock: socket.socket) -> socket.socket:
+    """`sock` sending each message at once: with Nagle's algorithm on, a pull's small messages
+    waited for the peer's delayed ACK (~40 ms each, measured by the disaggregation benchmark)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def send_message(sock: socket.socket, message: dict[str, Any]) -> None:
     data = json.dumps(message).encode()
     sock.sendall(struct.pack(">I", len(data)) + data)
@@ -64,7 +71,7 @@ class SideChannelServer:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn, _ = self.sock.accept()
+                conn = no_delay(self.sock.accept()[0])
             except OSError:  # closed
                 return
             threading.Thread(target=self._serve_one, args=(conn,), daemon=True,

@@ -56,6 +56,10 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # The largest request body read, as serve.py's limit (examples/engine/json_body.py).
 MAX_BODY_BYTES = 4 << 20
 DEFAULT_TIMEOUT_S = 600.0
+# An idle pooled connection is dropped after this, before the servers' own keep-alive (uvicorn's
+# 5 s) closes it: a request sent on a connection the server closes meanwhile fails (ReadError,
+# seen about once in a few hundred requests under load when both were 5 s).
+KEEPALIVE_S = 2.0
 logger = logging.getLogger("examples.disagg_proxy")
 
 
@@ -116,7 +120,7 @@ def build_app(prefill: Sequence[str], decode: Sequence[str],
     next_prefill, next_decode = itertools.cycle(prefill), itertools.cycle(decode)
     # One pool for every server; no cap on connections: each stream in flight holds one.
     client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(
-        max_connections=None, max_keepalive_connections=None))
+        max_connections=None, max_keepalive_connections=None, keepalive_expiry=KEEPALIVE_S))
     warned: set[str] = set()
     side_channels = SideChannels(client)
 

@@ -69,8 +69,10 @@ async def run_mixed(url: str, work: MixedWorkload, seed: int) -> dict[str, Any]:
         await asyncio.sleep(start + (index + 1) * work.long_every_s - time.perf_counter())
         results["long"].append(await timed(client, longs[index]))
 
-    # One connection per request in flight: none waits for another's.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # One connection per request in flight: none waits for another's. An idle one is dropped
+    # before the server's 5 s keep-alive could close it under a request sent on it.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                          keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         start = time.perf_counter()
         decoders = [asyncio.create_task(decoder(client, i)) for i in range(work.decoders)]

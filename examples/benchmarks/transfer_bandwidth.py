@@ -78,6 +78,7 @@ def sender_main(kind: str, args: argparse.Namespace, conn) -> None:
     while (message := conn.recv()) is not None:
         side.serve_pull(handle, *message)
         conn.send("served")
+        side.until_readable(conn)  # a one-sided read progresses here, until the next message
     side.close()
 
 

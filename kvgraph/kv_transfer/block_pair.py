@@ -45,6 +45,14 @@ def pair_group(device_type: str, store: dist.Store, rank: int, timeout: datetime
                      f"{device_type!r}")
 
 
+def host_pair_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """A pair's store, hosted by its sender on a port the OS picks (read back as `.port`, for
+    the offer): a port found free and bound later could be taken by another socket meanwhile
+    (the pair's receiver then waited out its timeout)."""
+    return dist.TCPStore(host, 0, 2, is_master=True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """`(src_start, dst_start, length)` of each stretch in which both `src` and `dst` ids run
     consecutively, in order."""
@@ -61,10 +69,11 @@ def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, 
 
 
 class BlockPair:
-    """One side (`role`: SENDER or RECEIVER) of a pair of caches joined at `host:port`."""
+    """One side (`role`: SENDER or RECEIVER) of a pair of caches joined at `host:port` (a
+    sender may bring the `store` it hosts there: host_pair_store)."""
 
     def __init__(self, kv_caches: dict[str, KVCache], host: str, port: int, role: str,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, store: dist.TCPStore | None = None):
         if role not in (SENDER, RECEIVER):
             raise ValueError(f"role: expected {SENDER!r} or {RECEIVER!r}, got {role!r}")
         self.role = role
@@ -79,7 +88,8 @@ class BlockPair:
         rank = 0 if role == SENDER else 1
         self.peer = 1 - rank
         # The sender hosts the store: it is up first, as the one whose blocks are asked for.
-        store = dist.TCPStore(host, port, 2, is_master=role == SENDER, timeout=timeout)
+        if store is None:
+            store = dist.TCPStore(host, port, 2, is_master=role == SENDER, timeout=timeout)
         self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
         self.group = pair_group(self.device.type, dist.PrefixStore("kvgraph-kv-pair", store),
                                 rank, timeout)

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from kvgraph.errors import ConfigError
 from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.base import ConnectorRequest, KVConnectorRole, ScheduledChunk
-from kvgraph.kv_transfer.block_pair import SENDER, BlockPair
+from kvgraph.kv_transfer.block_pair import BlockPair
 from kvgraph.kv_transfer.compatibility import check_compatible
 from kvgraph.kv_transfer.config import KVTransferConfig
 from kvgraph.kv_transfer.pair_connector import PairConnector
@@ -144,8 +144,7 @@ class LayerPushConnector(PairConnector):
             return
         offer = self._transport.offer() if hello["dst"] else None
         send_message(conn, {"fingerprint": self.fingerprint, "transport": offer})
-        pair = offer and BlockPair(self._caches, offer["host"], offer["port"], SENDER,
-                                   self.timeout_s)
+        pair = offer and self._transport.sender(offer)
         try:
             source = self._register(conn, pair, hello)
             while not source.finished.wait(0.5):

@@ -3,15 +3,21 @@
 Every tensor of every layer's tuple is registered with a NIXL agent once, on both sides; P's
 agent metadata and each tensor's base address and block stride travel in the handshake; a D
 that pulls reads each run of P's blocks as one byte range straight into its own cache
-(`initialize_xfer("READ", ...)`): zero copies, P's Python not involved. On the CPU the memory
-is "DRAM" and UCX moves it over shared memory or TCP; on a GPU, "VRAM" over NVLink or RDMA,
-through the same code. Needs `pip install nixl-cu12` (its CUDA build runs on a CPU-only
+(`initialize_xfer("READ", ...)`): zero copies. On the CPU the memory is "DRAM" and UCX moves it
+over shared memory or TCP; on a GPU, "VRAM" over NVLink or RDMA, through the same code.
+
+The agents run without NIXL's progress thread, which polls a whole core from the moment an
+agent exists, busy or idle: D's agent progresses while D waits for its read, P's only while a D
+reads from it (P's side-channel thread asks it for notifications until D says done: UCX over
+TCP needs the target to progress). Needs `pip install nixl-cu12` (its CUDA build runs on a CPU-only
 machine too: checked 2026-12-05, nixl-cu12 1.5.1).
 """
 
 from __future__ import annotations
 
 import base64
+import select
+import threading
 import time
 import uuid
 from typing import Any
@@ -22,6 +28,8 @@ from kvgraph.kv_transfer.block_pair import paired_runs
 from kvgraph.kv_transfer.config import KVTransferConfig
 from kvgraph.kv_transfer.pair_connector import PairConnector
 from kvgraph.kv_transfer.pair_transport import PairTransport, ReadingTransport, block_bytes
+
+PROGRESS_S = 0.0005  # between progress calls while a read is under way (either side)
 
 
 def _import_agent():
@@ -42,7 +50,9 @@ class NixlTransport(ReadingTransport):
 
     def __init__(self, kv_caches: dict[str, KVCache], timeout_s: float):
         agent, config = _import_agent()
-        self.agent = agent(f"kvgraph-{uuid.uuid4().hex[:12]}", config(backends=["UCX"]))
+        self.agent = agent(f"kvgraph-{uuid.uuid4().hex[:12]}",
+                           config(enable_prog_thread=False, backends=["UCX"]))
+        self._progress = threading.Lock()  # one thread drives the agent's workers at a time
         self.timeout_s = timeout_s
         self.tensors = [t for _, cache in sorted(kv_caches.items()) for t in cache]
         self.memory = "VRAM" if self.tensors and self.tensors[0].is_cuda else "DRAM"
@@ -51,6 +61,11 @@ class NixlTransport(ReadingTransport):
     def offer(self) -> dict[str, Any]:
         return {"kind": "nixl", "agent": base64.b64encode(self.agent.get_agent_metadata()).decode(),
                 "tensors": [[t.data_ptr(), block_bytes(t), _device(t)] for t in self.tensors]}
+
+    def until_readable(self, conn: Any) -> None:
+        while not select.select([conn], [], [], PROGRESS_S)[0]:
+            with self._progress:
+                self.agent.get_new_notifs()  # progresses the agent's UCX workers
 
     def connect(self, offer: dict[str, Any]) -> dict[str, Any]:
         self.check_offer(offer)
@@ -74,8 +89,9 @@ class NixlTransport(ReadingTransport):
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     raise ConnectionError(f"NIXL read from {handle['name']} timed out")
-                time.sleep(0.0005)
-                state = self.agent.check_xfer_state(xfer)
+                time.sleep(PROGRESS_S)
+                with self._progress:
+                    state = self.agent.check_xfer_state(xfer)
             if state == "ERR":
                 raise ConnectionError(f"NIXL read from {handle['name']} failed")
         finally:

@@ -34,11 +34,7 @@ from typing import Any, Sequence
 from kvgraph.errors import ConfigError
 from kvgraph.kv_cache.spec import KVCache
 from kvgraph.kv_transfer.base import (
-    ConnectorRequest,
-    KVConnectorBase,
-    KVConnectorRole,
-    ScheduledChunk,
-)
+    ConnectorRequest, KVConnectorBase, KVConnectorRole, ScheduledChunk)
 from kvgraph.kv_transfer.compatibility import check_compatible, kv_fingerprint
 from kvgraph.kv_transfer.config import KVTransferConfig
 from kvgraph.kv_transfer.pair_transport import PairMetadata, PairTransport, RemotePull
@@ -213,6 +209,7 @@ class PairConnector(KVConnectorBase):
             send_message(conn, {"ok": True})
             if pull["src"]:
                 self._transport.serve_pull(handle, pull["src"], pull["dst"])
+            self._transport.until_readable(conn)
             done = recv_message(conn)  # D has the blocks (or gave up): they may be freed
             with self._lock:
                 self._held.pop(request_id, None)

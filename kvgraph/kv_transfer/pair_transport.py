@@ -73,6 +73,10 @@ class PairTransport(Protocol):
     def serve_pull(self, handle: Any, src: list[int], dst: list[int]) -> None:
         """P: its part of moving blocks `src` into the D's `dst` (nothing, for one-sided)."""
 
+    def until_readable(self, conn: Any) -> None:
+        """P: return once D's next message is on `conn` (D's pull is done), doing meanwhile what
+        D's reads need of this side (nothing for most transports)."""
+
     def connect(self, offer: dict[str, Any]) -> Any:
         """D: its handle for the P that offered `offer`."""
 
@@ -99,6 +103,9 @@ class ReadingTransport:
         return None
 
     def serve_pull(self, handle: None, src: list[int], dst: list[int]) -> None:
+        return None
+
+    def until_readable(self, conn: Any) -> None:
         return None
 
     def check_offer(self, offer: dict[str, Any]) -> None:

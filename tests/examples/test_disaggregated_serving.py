@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 import types
 
 import pytest
@@ -20,7 +21,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from examples.disagg_proxy import build_app, build_parser  # noqa: E402
+from examples.disagg_proxy import KEEPALIVE_S, build_app, build_parser  # noqa: E402
 from examples.engine.errors import RequestError  # noqa: E402
 from examples.engine.protocol import parse_chat, parse_completion  # noqa: E402
 from tests.examples.test_fail_fast import refused, run  # noqa: E402
@@ -215,6 +216,23 @@ def test_the_proxy_takes_its_servers_in_turn():
         "0", "2"]
     assert [b["prompt"] for _, b in p2.received] == [b["prompt"] for _, b in d2.received] == [
         "1", "3"]
+
+
+def test_an_idle_connection_is_dropped_before_the_servers_keep_alive_can_close_it():
+    # uvicorn closes a connection idle for its keep-alive; a request the proxy sent on it as it
+    # closed failed (ReadError), about once in a few hundred under load when both were 5 s.
+    import uvicorn
+
+    assert KEEPALIVE_S < uvicorn.Config(None).timeout_keep_alive
+    p, d = stand_ins()
+    with serving_apps(p.app(), d.app()) as (p_url, d_url), \
+            serving_apps(build_app([p_url], [d_url])) as (proxy,):
+        for pause in (0, 0, KEEPALIVE_S + 0.5):
+            time.sleep(pause)
+            assert httpx.post(f"{proxy}/v1/completions", json={"prompt": "a"},
+                              timeout=30).status_code == 200
+    assert p.client_ports[0] == p.client_ports[1] != p.client_ports[2]
+    assert d.client_ports[0] == d.client_ports[1] != d.client_ports[2]
 
 
 # --- the proxy's command line ----------------------------------------------------------------

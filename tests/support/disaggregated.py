@@ -93,6 +93,7 @@ class Upstream:
     status: int = 200
     events: list[str] = field(default_factory=list)
     received: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    client_ports: list[int] = field(default_factory=list)  # each POST's connection's
 
     def app(self) -> Any:
         # Imported here, and this module takes no `from __future__ import annotations`:
@@ -106,6 +107,7 @@ class Upstream:
         async def post(path: str, http: Request) -> Response:
             body = json.loads(await http.body())
             self.received.append((f"/v1/{path}", body))
+            self.client_ports.append(http.client.port)
             if body.get("stream") and self.status == 200:
                 return StreamingResponse(iter(self.stream_bytes()),
                                          media_type="text/event-stream")

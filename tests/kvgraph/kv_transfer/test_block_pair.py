@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -156,6 +159,19 @@ def within(address: int, length: int, kv_caches: dict) -> bool:
                * t.element_size() for cache in kv_caches.values() for t in cache)
 
 
+def test_an_idle_nixl_transport_takes_no_cpu():
+    # NIXL's progress thread, on by default, polled a whole core idle (1.0 s of CPU a second).
+    require_nixl()
+    from kvgraph.kv_transfer.nixl import NixlTransport
+
+    transport = NixlTransport(caches("standard", seed=1), 30)
+    start = time.process_time()
+    time.sleep(1.0)
+    used = time.process_time() - start
+    transport.close()
+    assert used < 0.25, f"an idle NIXL agent used {used:.2f} s of CPU in 1 s"
+
+
 @pytest.mark.parametrize("kind", ["standard", "mla"])
 def test_nixl_reads_each_run_into_place(kind):
     require_nixl()
@@ -165,6 +181,13 @@ def test_nixl_reads_each_run_into_place(kind):
     before = {n: tuple(t.clone() for t in cache) for n, cache in receiver.items()}
     prefill, decode = NixlTransport(sender, 30), NixlTransport(receiver, 30)
     src, dst = [3, 4, 5, 9, 12], [10, 11, 2, 3, 0]
+    # P's agent has no progress thread: P progresses it until D says done, as it serves a pull.
+    p_end, d_end = socket.socketpair()
+    serving = threading.Thread(target=prefill.until_readable, args=(p_end,))
+    serving.start()
     decode.pull(decode.connect(prefill.offer()), src, dst)
+    d_end.send(b"done")
+    serving.join(30)
+    assert not serving.is_alive()
     assert_moved(sender, receiver, before, src, dst)
     prefill.close(), decode.close()

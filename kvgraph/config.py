@@ -53,6 +53,18 @@ def without_pieces(mode: GraphMode, why: str) -> GraphMode:
     return GraphMode.FULL
 
 
+def multiples_of(sizes: tuple[int, ...], query_len: int, bound: int | None
+                 ) -> tuple[int, ...]:
+    """`sizes` each rounded up to a multiple of `query_len`, sorted without duplicates; one
+    rounded above `bound` (None: no bound) becomes the largest multiple within it (at least
+    `query_len`), so rounding never grows the largest size past the bound."""
+    if query_len == 1:
+        return sizes
+    top = None if bound is None else max(bound // query_len, 1) * query_len
+    rounded = (-(-size // query_len) * query_len for size in sizes)
+    return tuple(sorted({size if top is None else min(size, top) for size in rounded}))
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     """Every setting of compilation and graph capture, checked (types and values) on construction.
@@ -62,6 +74,10 @@ class CompilationConfig:
     `capture_sizes` None means the default list (see `capture_size_list`); an empty one is
     allowed only where no graphs are captured (graph_mode "eager" or "none").
     `compile_sizes` get a static build each; other sizes run the general (dynamic) build.
+    `num_speculative_tokens` (K): the draft tokens a speculative verify step checks per request,
+    so such a step is a uniform batch of `uniform_decode_query_len` (1 + K) tokens a request;
+    with K > 0 every capture size is rounded up to a multiple of 1 + K (see
+    `capture_size_list`). 0: no speculation.
     `piece_compiler`: what builds each piece: "inductor" (its builds kept in the compile cache),
     "eager" (the traced FX code), or on Ascend NPUs "npugraph_ex" or "torchair" (torch_npu's
     compilers, imported only when chosen; nothing of theirs is cached).
@@ -81,6 +97,7 @@ class CompilationConfig:
     max_num_tokens: int | None = None
     capture_sizes: tuple[int, ...] | None = None
     compile_sizes: tuple[int, ...] = ()
+    num_speculative_tokens: int = 0
     piece_compiler: str = "inductor"
     splitting_ops: tuple[str, ...] = ATTENTION_OPS
     passes: tuple[str, ...] = PASSES
@@ -106,6 +123,11 @@ class CompilationConfig:
             if bad:
                 bound = "be >= 1" if upper is None else f"lie in [1, max_num_tokens={upper}]"
                 raise ConfigError(name, f"{name} must {bound}, got {bad}")
+        if upper is not None and self.uniform_decode_query_len > upper:
+            raise ConfigError("num_speculative_tokens", f"num_speculative_tokens="
+                              f"{self.num_speculative_tokens}: a verify step of one request has "
+                              f"{self.uniform_decode_query_len} tokens, more than "
+                              f"max_num_tokens={upper}")
         unknown = [op for op in self.splitting_ops if not op_exists(op)]
         if unknown:
             logger.warning("kvgraph: splitting_ops %s name no registered op, so nothing is split "
@@ -131,12 +153,22 @@ class CompilationConfig:
 
         Above 512 tokens a step's kernels dwarf their launches, so graphs would buy nothing
         for the capture time and memory they cost; larger batches run without graphs.
+        With speculation (`uniform_decode_query_len` q > 1) each size is rounded up to a
+        multiple of q, so a verify step pads to whole requests of q tokens (`multiples_of`).
         """
         if self.capture_sizes is not None:
-            return self.capture_sizes
+            return multiples_of(self.capture_sizes, self.uniform_decode_query_len,
+                                self.max_num_tokens)
         largest = min(self.max_num_tokens or DEFAULT_MAX_NUM_TOKENS, MAX_DEFAULT_CAPTURE_SIZE)
         sizes = {1, 2, 4, *range(8, largest + 1, 8), largest}
-        return tuple(sorted(s for s in sizes if s <= largest))
+        return multiples_of(tuple(sorted(s for s in sizes if s <= largest)),
+                            self.uniform_decode_query_len, largest)
+
+    @property
+    def uniform_decode_query_len(self) -> int:
+        """The tokens each request adds in a uniform verify step: 1 + num_speculative_tokens
+        (1, a decode step, without speculation)."""
+        return 1 + self.num_speculative_tokens
 
     @property
     def uses_compile_cache(self) -> bool:
@@ -176,6 +208,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "max_num_tokens": checks.optional(checks.token_count),
     "capture_sizes": checks.optional(checks.sizes),
     "compile_sizes": checks.sizes,
+    "num_speculative_tokens": checks.non_negative_int,
     "piece_compiler": checks.choice(PIECE_COMPILERS),
     "splitting_ops": checks.splitting_ops,
     "passes": checks.passes,

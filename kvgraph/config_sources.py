@@ -48,6 +48,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_num_tokens": int,
     "capture_sizes": lambda t: None if t.strip().lower() in ("", "auto") else _parse_sizes(t),
     "compile_sizes": _parse_sizes,
+    "num_speculative_tokens": int,
     "splitting_ops": _parse_names,
     "passes": _parse_names,
     "use_compile_cache": _parse_bool,

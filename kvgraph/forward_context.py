@@ -53,12 +53,17 @@ class BatchDescriptor:
     """The key of a captured graph: the padded batch shape a graph was recorded for.
 
     `num_reqs` is None for piecewise keys, whose pieces do not depend on how tokens are
-    grouped into requests. `uniform_decode` marks batches where every request adds one token.
+    grouped into requests. `uniform_decode` marks uniform batches, where every request adds
+    `query_len` tokens: one for a decode step, 1 + K for a speculative verify step (so a
+    uniform key with `num_reqs` has `num_tokens == num_reqs * query_len`). Its repr leaves
+    `query_len` out when it is 1, so decode keys read as they did before verify keys existed
+    (stats, dumps and logs key graphs by it).
     """
 
     num_tokens: int
     num_reqs: int | None = None
     uniform_decode: bool = False
+    query_len: int = 1
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -68,6 +73,20 @@ class BatchDescriptor:
                 f"BatchDescriptor.num_reqs must be in [1, num_tokens={self.num_tokens}], "
                 f"got {self.num_reqs}"
             )
+        if self.query_len < 1 or (self.query_len > 1 and not self.uniform_decode):
+            raise ValueError(f"BatchDescriptor.query_len must be >= 1, and above 1 only for a "
+                             f"uniform batch (uniform_decode=True), got {self.query_len}")
+        if (self.uniform_decode and self.num_reqs is not None
+                and self.num_tokens != self.num_reqs * self.query_len):
+            raise ValueError(
+                f"a uniform BatchDescriptor has num_tokens == num_reqs * query_len, got "
+                f"num_tokens={self.num_tokens}, num_reqs={self.num_reqs}, "
+                f"query_len={self.query_len}")
+
+    def __repr__(self) -> str:
+        extra = f", query_len={self.query_len}" if self.query_len != 1 else ""
+        return (f"BatchDescriptor(num_tokens={self.num_tokens}, num_reqs={self.num_reqs}, "
+                f"uniform_decode={self.uniform_decode}{extra})")
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,18 @@ from kvgraph.kv_transfer import KVConnectorBase, KVConnectorMetadata, KVConnecto
 
 from .block_allocator import BlockAllocator, blocks_for
 from .detokenizer import Detokenizer
-from .errors import EngineDeadError, RequestError
+from .errors import RequestError
 from .external_kv import ExternalKV, merged
+from .step_faults import forward_or_retry
 from .first_token_handoff import check_handed_off_tokens, handed_off_tokens
-from .logprobs import TokenLogprobs, prompt_logprobs, sampled_logprobs
+from .logprobs import TokenLogprobs, emitted_logprobs, prompt_logprobs
 from .request import Completion, FinishReason, Request, RequestOutput
 from .request_checks import check_request
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
+from .speculation import Speculator
+from .speculative_config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 # A sampled token, or the error sampling it raised.
@@ -46,12 +49,15 @@ class LLMEngine:
 
     Requests share the cached KV blocks of a common prompt prefix (prefix caching) unless
     `enable_prefix_caching` is False. `kv_connector`: the scheduler side of the KV connector
-    whose worker side the runner was built with (see external_kv.py).
+    whose worker side the runner was built with (see external_kv.py). `speculative_config`:
+    decode speculatively (see speculation.py; the runner's CompilationConfig should have its
+    `num_speculative_tokens`, so verify steps replay graphs).
     """
 
     def __init__(self, runner: kvgraph.ModelRunner, tokenizer: Any, seed: int = 0,
                  enable_prefix_caching: bool = True,
-                 kv_connector: KVConnectorBase | None = None):
+                 kv_connector: KVConnectorBase | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         limits = runner.limits
         needed = blocks_for(limits.max_model_len, limits.block_size)
         if limits.num_blocks < needed:
@@ -70,6 +76,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, limits.block_size, limits.max_num_seqs,
                                    limits.max_num_tokens, self.external)
         self.sampler = Sampler(runner.device, seed)
+        self.speculator = speculative_config and Speculator(speculative_config, self.sampler,
+                                                            limits.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -151,7 +159,9 @@ class LLMEngine:
                 time.sleep(KV_WAIT_S)
             return handed_off
         self._kv_report = KVConnectorOutput()
-        ran, outputs = self._forward(schedule.chunks, metadata)
+        ran, outputs, retried = forward_or_retry(schedule.chunks, metadata, self._execute,
+                                                 self._fail)
+        self.num_step_retries += retried
         outputs = handed_off + outputs
         self.num_steps += 1
         rows, ready = [], []
@@ -159,7 +169,9 @@ class LLMEngine:
             if self.external and self.external.rolled_back(chunk.request,
                                                            self._kv_report.invalid_block_ids):
                 continue  # its loaded blocks failed: it computes them from the next step
-            chunk.request.num_computed_tokens += chunk.num_tokens
+            # Its drafts' entries count once accepted (_sample).
+            chunk.request.num_computed_tokens += (chunk.num_tokens
+                                                  - len(chunk.request.spec_token_ids))
             # A prefill chunk that stops short of the prompt's end has no next token to sample.
             if chunk.request.num_uncomputed_tokens == 0:
                 rows.append(row)
@@ -167,52 +179,40 @@ class LLMEngine:
         if self.external is not None:
             self.scheduler.apply_kv_report(self._kv_report)
         if ready:
-            now = time.perf_counter()
-            logits = torch.stack(rows)
-            tokens = self.sampler.tokens_or_errors(logits, ready)
-            logprobs = sampled_logprobs(logits, tokens, ready)
-            outputs += [self._emit(request, token, now, lp)
-                        for request, token, lp in zip(ready, tokens, logprobs)]
+            outputs += self._sample(rows, ready)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         return outputs
 
-    def _forward(self, chunks: list[ScheduledChunk], metadata: KVConnectorMetadata | None = None
-                 ) -> tuple[list[tuple[ScheduledChunk, torch.Tensor]], list[RequestOutput]]:
-        """Each chunk that ran, with its logits row; the outputs of the requests that failed.
-
-        Retries run without the KV connector's metadata: its loads ran before the batch's
-        forward, and the saves of a step that failed are not worth making."""
-        try:
-            return list(zip(chunks, self._execute(chunks, metadata))), []
-        except EngineDeadError:
-            raise  # no request's fault, and no retry can help
-        except kvgraph.VerifyError as error:
-            # The step's graphs and eager parted (verify_action "raise"): the step's answer is
-            # in doubt for all its requests, and running each alone would check, and fail, again.
-            return [], [self._fail(chunk.request, "verify found the graphs and eager apart "
-                                   "on this step", error) for chunk in chunks]
-        except Exception as error:  # noqa: BLE001 - whose fault it is, is found below
-            logger.warning("a model step of %d requests failed (%s: %s); running each alone",
-                           len(chunks), type(error).__name__, error)
-        self.num_step_retries += 1
-        # Running a chunk again is safe: it rewrites the same cache slots with the same values.
-        ran, failed = [], []
-        for chunk in chunks:
-            try:
-                ran.append((chunk, self._execute([chunk])[0]))
-            except EngineDeadError:
-                raise
-            except Exception as error:  # noqa: BLE001 - this request's fault
-                failed.append((chunk.request, error))
-        what = ("the model step failed for this request, in its batch and alone"
-                if ran or len(chunks) == 1 else
-                f"the model step failed for all {len(chunks)} requests of its batch and for "
-                "each alone: it is broken, not one request")
-        return ran, [self._fail(request, what, error) for request, error in failed]
+    def _sample(self, rows: list[torch.Tensor], ready: list[Request]) -> list[RequestOutput]:
+        """The outputs of `ready`'s next tokens, from each one's `rows` of logits (one, or with
+        drafts one per draft and one more): a request that emits several tokens has an output
+        for each, in order, up to the one that finishes it."""
+        now = time.perf_counter()
+        logits = torch.cat(rows)
+        if self.speculator is None:
+            emitted = [t if isinstance(t, Exception) else [t]
+                       for t in self.sampler.tokens_or_errors(logits, ready)]
+        else:
+            emitted = self.speculator.verify(logits, ready)
+        outputs = []
+        for request, tokens, token_logprobs in zip(ready, emitted,
+                                                   emitted_logprobs(rows, emitted, ready)):
+            if isinstance(tokens, Exception):
+                outputs.append(self._emit(request, tokens, now, None))
+                continue
+            for j, token in enumerate(tokens):
+                outputs.append(self._emit(request, token, now, token_logprobs[j]))
+                if request.finished:
+                    break
+                if j < len(tokens) - 1:  # an accepted draft: its cache entry is kept
+                    request.num_computed_tokens += 1
+        return outputs
 
     def _execute(self, chunks: list[ScheduledChunk], metadata: KVConnectorMetadata | None = None
-                 ) -> torch.Tensor:
-        """The model step of `chunks`: their logits, one row each (and the prompt logprobs of
-        the requests that asked, from the step's hidden states)."""
+                 ) -> list[torch.Tensor]:
+        """The model step of `chunks`: each one's logits rows (one, or one per draft and one
+        more), and the prompt logprobs of the requests that asked, from its hidden states."""
         batch = [c.request.chunk(c.num_tokens) for c in chunks]
         if self.external is None:
             logits = self.runner.execute(batch)
@@ -228,7 +228,7 @@ class LLMEngine:
             prompt_logprobs(self.runner.hidden_states, self.runner.model.compute_logits,
                             [(c.request, c.request.num_computed_tokens, c.num_tokens)
                              for c in chunks])
-        return logits
+        return list(logits.split([chunk.num_logits for chunk in batch]))
 
     def _emit(self, request: Request, token: Sampled, now: float,
               logprobs: TokenLogprobs | None) -> RequestOutput:
@@ -312,6 +312,7 @@ class LLMEngine:
             "kv_blocks_free": self.allocator.num_free,
             **self.scheduler.stats(),
             **(self.external.stats() if self.external else {}),
+            **(self.speculator.stats() if self.speculator else {}),
             "steps": self.num_steps,
             "runner": self.runner.stats(),
         }

@@ -35,6 +35,7 @@ from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
 from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
 from .kv_transfer_args import add_kv_transfer_args, kv_connector
+from .speculative_args import add_speculative_args, with_speculation
 from .startup_gc import freeze_startup_objects
 from .startup_stages import StartupStages, stage_times
 from .tokenizer import ByteTokenizer
@@ -53,8 +54,7 @@ DEFAULT_DISTRIBUTED_TIMEOUT_S = 300.0
 # Requests in one step, at most: each holds rows in the step's buffers and the sampler's, and a
 # decode step of them all must fit the token budget (vLLM's default is 256).
 MAX_NUM_SEQS = 65536
-# Tensor-parallel ranks, at most: they run on one node (rank 0 spawns them, or torchrun does).
-MAX_TENSOR_PARALLEL = 64
+MAX_TENSOR_PARALLEL = 64  # ranks on one node (rank 0 spawns them, or torchrun does)
 # The seed of torch's generators is an unsigned 64-bit integer; kvgraph's are signed (int64).
 MAX_SEED = 2**63 - 1
 # Sequence lengths and offsets are int32.
@@ -99,6 +99,7 @@ def add_engine_args(parser: argparse.ArgumentParser, preset: str = "small"
                        default=True, help="share the cached KV blocks of common prompt prefixes")
     add_kv_sizing_args(group)
     add_kv_transfer_args(group)
+    add_speculative_args(group)
     group.add_argument("--seed", type=int_in(0, MAX_SEED, "torch's generators take int64"),
                        default=0, help="seeds random weights and sampling")
     group.add_argument("--threads", type=compute_threads, metavar="N",
@@ -148,7 +149,7 @@ def load_model(args: argparse.Namespace, models: Mapping[str, Any],
 def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
     """kvgraph's flags and environment, with the device platform's default token budget, graph
     mode and capture sizes where neither says."""
-    config = kvgraph.CompilationConfig.from_cli_args(args)
+    config = with_speculation(kvgraph.CompilationConfig.from_cli_args(args), args)
     platform = get_platform(args.device)
     if args.max_num_tokens is None and "KVGRAPH_MAX_NUM_TOKENS" not in os.environ:
         config = config.replace(max_num_tokens=platform.default_max_num_tokens)
@@ -163,8 +164,8 @@ def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
 
 def decode_capture_sizes(config: kvgraph.CompilationConfig, max_num_seqs: int
                          ) -> tuple[int, ...]:
-    """kvgraph's default capture sizes up to `max_num_seqs`, which is one of them."""
-    largest = min(max_num_seqs, max(config.capture_size_list))
+    """The default capture sizes up to a step of `max_num_seqs` decodes (or verifies), included."""
+    largest = min(max_num_seqs * config.uniform_decode_query_len, max(config.capture_size_list))
     return tuple(sorted({s for s in config.capture_size_list if s <= largest} | {largest}))
 
 
@@ -268,7 +269,8 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
                                         functools.partial(build_rank, args, models))
     engine = LLMEngine(runner, built.tokenizer, args.seed, args.enable_prefix_caching,
                        kv_connector(args, models, KVConnectorRole.SCHEDULER,
-                                    runner.limits.block_size, 0, world_size))
+                                    runner.limits.block_size, 0, world_size),
+                       getattr(args, "speculative_config", None))
     capture = built.capture
     summary = {"graph_mode": runner.config.graph_mode.value,
                "descriptors": capture["descriptors"], "graphs": capture["graphs"],

@@ -7,6 +7,7 @@ ops for every request of the step that asked, with one transfer to the host.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -55,6 +56,21 @@ def sampled_logprobs(logits: torch.Tensor, tokens: Sequence[int | Exception],
     ks = [None if isinstance(t, Exception) else r.params.logprobs
           for r, t in zip(requests, tokens)]
     return batch_logprobs(logits, [0 if isinstance(t, Exception) else t for t in tokens], ks)
+
+
+def emitted_logprobs(rows: Sequence[torch.Tensor], emitted: Sequence[list[int] | Exception],
+                     requests: Sequence[Request]) -> list[list[TokenLogprobs | None]]:
+    """Each request's logprobs of the tokens it emitted (see `sampled_logprobs`): token j from
+    row j of its `rows` (a verify step's: one per draft and one more), in one batch."""
+    starts = itertools.accumulate((len(r) for r in rows), initial=0)
+    flat = [(start + j, request, token)
+            for request, tokens, start in zip(requests, emitted, starts)
+            if not isinstance(tokens, Exception) for j, token in enumerate(tokens)]
+    found = iter(sampled_logprobs(torch.cat(list(rows))[[i for i, _, _ in flat]],
+                                  [t for _, _, t in flat], [r for _, r, _ in flat])
+                 if flat else ())
+    return [[] if isinstance(tokens, Exception) else [next(found) for _ in tokens]
+            for tokens in emitted]
 
 
 def prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],

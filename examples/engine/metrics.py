@@ -113,6 +113,7 @@ class EngineCollector(Collector):
                      runner["graphs"]["graph_bytes"])
         yield from _verify_metrics(runner.get("verify") or {})
         yield from _kv_connector_metrics(stats, runner.get("kv_connector") or {})
+        yield from _spec_decode_metrics(stats)
 
 
 def _kv_connector_metrics(stats: dict[str, Any], worker: dict[str, Any]) -> Iterator[Any]:
@@ -139,6 +140,16 @@ def _kv_connector_metrics(stats: dict[str, Any], worker: dict[str, Any]) -> Iter
                    "no decode server pulled before the timeout", worker.get("expired_requests", 0))
     yield _counter("kvgraph_kv_connector_failed_pulls", "Pulls of a request's blocks that "
                    "failed", worker.get("failed_pulls", 0))
+
+
+def _spec_decode_metrics(stats: dict[str, Any]) -> Iterator[Any]:
+    """Speculative decoding's counts (all zero without `--speculative-config`)."""
+    yield _counter("kvgraph_spec_decode_drafts", "Verify chunks: requests that ran a step with "
+                   "draft tokens", stats.get("spec_decode_drafts", 0))
+    yield _counter("kvgraph_spec_decode_draft_tokens", "Draft tokens proposed and verified",
+                   stats.get("spec_decode_draft_tokens", 0))
+    yield _counter("kvgraph_spec_decode_accepted_tokens", "Draft tokens the target accepted",
+                   stats.get("spec_decode_accepted_tokens", 0))
 
 
 def _verify_metrics(verify: dict[str, Any]) -> Iterator[Any]:

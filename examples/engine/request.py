@@ -56,6 +56,7 @@ class Request:
     # ends, what a KV connector answers for whoever continues it.
     kv_transfer_params: dict | None = None
     kv_transfer_result: dict | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for its next step
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -74,9 +75,13 @@ class Request:
         return self.finish_reason is not None
 
     def chunk(self, num_tokens: int) -> kvgraph.RequestChunk:
-        """The next `num_tokens` tokens not yet in the cache, as one step's chunk."""
+        """The next `num_tokens` tokens not yet in the cache, as one step's chunk; with drafts
+        (speculation.py), its last token and the drafts, with logits at each."""
         start = self.num_computed_tokens
         tokens = (self.prompt_token_ids + self.output_token_ids)[start:start + num_tokens]
+        if self.spec_token_ids:
+            return kvgraph.RequestChunk(tokens + self.spec_token_ids, start,
+                                        list(self.block_ids), 1 + len(self.spec_token_ids))
         return kvgraph.RequestChunk(tokens, start, list(self.block_ids))
 
 

@@ -99,7 +99,9 @@ class Scheduler:
                 break
             if request not in self.running:  # preempted for an earlier request in this loop
                 continue
-            num_tokens = min(request.num_uncomputed_tokens, budget)
+            # A decode's drafts (speculation.py) run with it, as many as the budget leaves room for.
+            num_tokens = min(request.num_uncomputed_tokens + len(request.spec_token_ids), budget)
+            del request.spec_token_ids[max(0, num_tokens - request.num_uncomputed_tokens):]
             while not self._grow(request, num_tokens):
                 victim = self._victim(scheduled) or request
                 self._preempt(victim, output)
@@ -206,7 +208,7 @@ class Scheduler:
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
         self._release(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens, request.spec_token_ids = 0, []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -38,6 +38,8 @@ class HostBatch:
     num_decode_tokens: int
     max_query_len: int
     max_seq_len: int
+    min_query_len: int
+    logits_indices: np.ndarray  # the token rows that need logits, chunk by chunk, in order
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +52,12 @@ class HostBatch:
     @property
     def uniform_decode(self) -> bool:
         return self.num_decode_tokens == self.num_tokens
+
+    @property
+    def uniform_query_len(self) -> int | None:
+        """The tokens every request adds when all add the same number (1: a decode step; 1 + K:
+        a speculative verify step), else None."""
+        return self.max_query_len if self.min_query_len == self.max_query_len else None
 
     def attention_metadata(self, device: torch.device | str) -> AttentionMetadata:
         def tensor(array: np.ndarray) -> torch.Tensor:
@@ -146,12 +154,23 @@ def host_batch(chunks: Sequence[RequestChunk], block_size: int,
     _check_values(chunks, fields.token_ids, fields.block_ids, query_lens, block_counts,
                   vocab_size)
     return _lay_out(fields.token_ids, query_lens, computed, seq_lens, used_blocks, in_use,
-                    block_size)
+                    block_size, fields.num_logits)
+
+
+def _logits_indices(query_start_loc: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
+    """The rows of each request's last `num_logits` tokens, request after request."""
+    ends = query_start_loc[1:].astype(np.int64)
+    if (num_logits == 1).all():  # the common case: each request's last token
+        return ends - 1
+    total = int(num_logits.sum())
+    firsts = np.repeat(ends - num_logits, num_logits)
+    offsets = np.arange(total) - np.repeat(np.cumsum(num_logits) - num_logits, num_logits)
+    return firsts + offsets
 
 
 def _lay_out(token_ids: np.ndarray, query_lens: np.ndarray, computed: np.ndarray,
              seq_lens: np.ndarray, used_blocks: np.ndarray, in_use: np.ndarray,
-             block_size: int) -> HostBatch:
+             block_size: int, num_logits: np.ndarray) -> HostBatch:
     block_table = np.zeros(in_use.shape, dtype=np.int32)
     block_table[in_use] = used_blocks
     query_start_loc = _query_start_loc(query_lens)
@@ -170,6 +189,8 @@ def _lay_out(token_ids: np.ndarray, query_lens: np.ndarray, computed: np.ndarray
         num_decode_tokens=int((query_lens == 1).sum()),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        min_query_len=int(query_lens.min()),
+        logits_indices=_logits_indices(query_start_loc, num_logits),
     )
 
 

@@ -36,6 +36,7 @@ class ChunkFields:
     num_computed_tokens: np.ndarray  # [R] int64, each in [0, MAX_SEQ_LEN]
     block_ids: np.ndarray  # every chunk's block ids, chunk after chunk, int64
     block_counts: np.ndarray  # [R] int64
+    num_logits: np.ndarray  # [R] int64, each in [1, the chunk's query length]
 
 
 def read_chunks(chunks: Sequence[RequestChunk]) -> ChunkFields:
@@ -55,12 +56,20 @@ def read_chunks(chunks: Sequence[RequestChunk]) -> ChunkFields:
         i = int(np.argmax((computed < 0) | (computed > MAX_SEQ_LEN)))
         raise BatchError(f"chunk {i}: num_computed_tokens must lie in [0, {MAX_SEQ_LEN}], got "
                          f"{computed[i]}")
+    query_lens = np.fromiter(map(len, tokens), np.int64, len(tokens))
+    num_logits = _flat_ints([[c.num_logits] for c in chunks], "num_logits")
+    bad_logits = (num_logits < 1) | (num_logits > np.maximum(query_lens, 1))
+    if bad_logits.any():
+        i = int(np.argmax(bad_logits))
+        raise BatchError(f"chunk {i}: num_logits must lie in [1, len(token_ids)={query_lens[i]}] "
+                         f"(logits of the chunk's last tokens), got {num_logits[i]}")
     return ChunkFields(
         token_ids=_flat_ints(tokens, "token_ids"),
-        query_lens=np.fromiter(map(len, tokens), np.int64, len(tokens)),
+        query_lens=query_lens,
         num_computed_tokens=computed,
         block_ids=_flat_ints(blocks, "block_ids"),
         block_counts=np.fromiter(map(len, blocks), np.int64, len(blocks)),
+        num_logits=num_logits,
     )
 
 
@@ -93,8 +102,9 @@ def _flat_ints(lists: list[Sequence[int]], field: str) -> np.ndarray:
         return array
     for i, values in enumerate(lists):
         if not _all_ints(values) or any(not -2**63 <= v < 2**63 for v in values):
-            shown = values[0] if field == "num_computed_tokens" else values
-            what = "an int" if field == "num_computed_tokens" else "a list of ints"
+            one = field in ("num_computed_tokens", "num_logits")  # one int per chunk
+            shown = values[0] if one else values
+            what = "an int" if one else "a list of ints"
             raise BatchError(f"chunk {i}: {field} must be {what} (not bools, floats, None or "
                              f"nested lists; within int64), got {_shown(shown)}")
     # Every value is an int within int64, but NumPy inferred no int64 for them together (it

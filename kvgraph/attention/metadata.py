@@ -32,11 +32,14 @@ class RequestChunk:
     take positions `num_computed_tokens ..  num_computed_tokens + len(token_ids) - 1`.
     `block_ids` is the request's block table: block `i` holds positions
     `i * block_size .. (i + 1) * block_size - 1`.
+    `num_logits`: how many of the chunk's last tokens need logits, 1 to `len(token_ids)` (a
+    speculative verify step asks for all its 1 + K tokens: the target's choice after each).
     """
 
     token_ids: Sequence[int]
     num_computed_tokens: int
     block_ids: Sequence[int]
+    num_logits: int = 1
 
     @property
     def num_new_tokens(self) -> int:

@@ -23,9 +23,10 @@ from kvgraph.distributed import tensor_parallel_group
 from kvgraph.version import __version__
 
 # Config fields that change no compiled artifact: the compile cache key leaves them out.
-NOT_IN_CACHE_KEY = ("capture_sizes", "cache_dir", "debug_dump_path", "check_guards",
-                    "check_graph_inputs", "check_rank_agreement", "on_compile_error", "verify",
-                    "verify_every", "verify_action", "verify_tolerance")
+NOT_IN_CACHE_KEY = ("capture_sizes", "num_speculative_tokens", "cache_dir", "debug_dump_path",
+                    "check_guards", "check_graph_inputs", "check_rank_agreement",
+                    "on_compile_error", "verify", "verify_every", "verify_action",
+                    "verify_tolerance")
 
 
 def digest(*parts: object) -> str:

@@ -19,14 +19,18 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str,
-                       can_split: bool = True) -> GraphMode:
+                       can_split: bool = True, query_len: int = 1) -> GraphMode:
     """`mode`, or the closest mode `backend` can serve, with a warning saying what and why.
 
     `can_split` is False when the config has no splitting ops, so no piecewise graphs exist.
+    `query_len` is the config's `uniform_decode_query_len`: above 1, a backend whose full graphs
+    hold only one-token requests keeps its decode graphs, and its verify steps run piecewise (or
+    without graphs), as `verify_query_len` tells the dispatcher; that is logged here.
     """
     piecewise = GraphMode.PIECEWISE if can_split else GraphMode.NONE
     with_decode = GraphMode.FULL_AND_PIECEWISE if can_split else GraphMode.FULL_DECODE_ONLY
     downgrades = {
+        GraphSupport.UNIFORM_BATCH: {GraphMode.FULL: with_decode},
         GraphSupport.UNIFORM_DECODE: {GraphMode.FULL: with_decode},
         GraphSupport.NEVER: {
             GraphMode.FULL: piecewise,
@@ -39,11 +43,27 @@ def resolve_graph_mode(mode: GraphMode, support: GraphSupport, backend: str,
         logger.warning(
             "kvgraph: graph mode %r downgraded to %r: attention backend %r captures attention "
             "only for %s batches%s", mode.value, resolved.value, backend,
-            "uniform-decode" if support is GraphSupport.UNIFORM_DECODE else "no",
+            {GraphSupport.UNIFORM_DECODE: "uniform-decode",
+             GraphSupport.UNIFORM_BATCH: "uniform-decode and speculative"}.get(support, "no"),
             "" if resolved.has_graphs else ", and with no splitting_ops there are no pieces: "
             "nothing will be captured",
         )
+    if resolved.has_full_graphs and not support.runs_uniform(query_len):
+        logger.warning(
+            # Worded without "verify", which inspect's overview ranks as a failed check.
+            "kvgraph: attention backend %r captures uniform batches of one token a request "
+            "only, so speculative steps (%d tokens a request) run %s, not in full graphs",
+            backend, query_len,
+            "on piecewise graphs" if resolved.has_piecewise_graphs else "without graphs")
     return resolved
+
+
+def verify_query_len(config: CompilationConfig, support: GraphSupport) -> int:
+    """The query length of the verify steps full graphs hold: the config's
+    `uniform_decode_query_len` where the backend runs such batches in full graphs, else 1
+    (no verify graphs: those steps run like mixed batches)."""
+    query_len = config.uniform_decode_query_len
+    return query_len if support.runs_uniform(query_len) else 1
 
 
 def resolve_runner_mode(config: CompilationConfig, backend: AttentionBackend,
@@ -51,7 +71,8 @@ def resolve_runner_mode(config: CompilationConfig, backend: AttentionBackend,
     """The graph mode a runner runs `config`'s in: what its attention backend can serve, then
     what its KV connector allows; with how the connector changed it (for stats), if it did."""
     can_split = bool(config.splitting_ops)
-    mode = resolve_graph_mode(config.graph_mode, backend.graph_support, backend.name, can_split)
+    mode = resolve_graph_mode(config.graph_mode, backend.graph_support, backend.name, can_split,
+                              config.uniform_decode_query_len)
     if kv_connector is None or not kv_connector.layerwise:
         return mode, None
     resolved = resolve_for_kv_connector(mode, kv_connector.name, can_split)
@@ -87,18 +108,25 @@ class DispatchStats:
 class Dispatcher:
     """Chooses how each step runs for one resolved graph mode: `(runtime_mode, BatchDescriptor)`.
 
-    Full-graph keys for uniform decode carry `num_reqs` (attention metadata shapes depend on
-    it) and exist only up to `max_num_seqs`; piecewise keys carry only `num_tokens`. A key is
-    dispatched to graphs only when `has_graphs(mode, descriptor)` (the runner's GraphSet, the
-    one record of what was captured) says they exist; otherwise its batches run without.
+    Full-graph keys for uniform batches carry `num_reqs` (attention metadata shapes depend on
+    it) and exist only up to `max_num_seqs` requests: decode keys (one token a request) and,
+    with `verify_query_len` q > 1, verify keys (q tokens a request, `query_len=q`: the capture
+    sizes that are multiples of q). A uniform batch is padded to whole requests of its query
+    length and counted in `stats` as any step. Piecewise keys carry only `num_tokens`. A key
+    is dispatched to graphs only when `has_graphs(mode, descriptor)` (the runner's GraphSet,
+    the one record of what was captured) says they exist; otherwise its batches run without.
     """
 
     def __init__(self, graph_mode: GraphMode, capture_sizes: tuple[int, ...], max_num_seqs: int,
-                 has_graphs: Callable[[GraphMode, BatchDescriptor], bool]):
+                 has_graphs: Callable[[GraphMode, BatchDescriptor], bool],
+                 verify_query_len: int = 1):
         self.graph_mode = graph_mode
         self.has_graphs = has_graphs
         self.capture_sizes = tuple(sorted(capture_sizes))
         self.decode_sizes = tuple(s for s in self.capture_sizes if s <= max_num_seqs)
+        q = self.verify_query_len = verify_query_len
+        self.verify_sizes = tuple(s for s in self.capture_sizes
+                                  if q > 1 and s % q == 0 and s // q <= max_num_seqs)
         self.stats = DispatchStats()
         self._warned_fallback = self._warned_uncaptured = False
 
@@ -110,7 +138,7 @@ class Dispatcher:
     def dispatch(self, batch: HostBatch) -> tuple[GraphMode, BatchDescriptor]:
         """The runtime mode and descriptor of `batch`, counted in `stats`."""
         num_tokens = batch.num_tokens
-        mode, descriptor = self._choose(num_tokens, batch.num_reqs, batch.uniform_decode)
+        mode, descriptor = self._choose(num_tokens, batch.uniform_query_len)
         if mode is not GraphMode.NONE and not self.has_graphs(mode, descriptor):
             # A full graph that failed to capture: the same size's piecewise graphs may exist.
             piecewise = BatchDescriptor(descriptor.num_tokens)
@@ -133,14 +161,23 @@ class Dispatcher:
                         mode.value, descriptor)
         return GraphMode.NONE, BatchDescriptor(num_tokens)
 
-    def _choose(self, num_tokens: int, num_reqs: int, uniform_decode: bool
+    def _uniform(self, num_tokens: int, query_len: int | None) -> BatchDescriptor | None:
+        """The full-graph key of a uniform batch of `query_len` tokens a request, if any."""
+        sizes = (self.decode_sizes if query_len == 1 else
+                 self.verify_sizes if query_len == self.verify_query_len else ())
+        padded = self._padded(sizes, num_tokens)
+        if padded is None:
+            return None
+        return BatchDescriptor(padded, padded // query_len, True, query_len)
+
+    def _choose(self, num_tokens: int, query_len: int | None
                 ) -> tuple[GraphMode, BatchDescriptor]:
         if not self.graph_mode.has_graphs:
             return GraphMode.NONE, BatchDescriptor(num_tokens)
-        if self.graph_mode.has_full_graphs and uniform_decode:
-            padded = self._padded(self.decode_sizes, num_tokens)
-            if padded is not None:
-                return GraphMode.FULL, BatchDescriptor(padded, padded, uniform_decode=True)
+        if self.graph_mode.has_full_graphs:
+            uniform = self._uniform(num_tokens, query_len)
+            if uniform is not None:
+                return GraphMode.FULL, uniform
         padded = self._padded(self.capture_sizes, num_tokens)
         if padded is not None and self.graph_mode is GraphMode.FULL:
             return GraphMode.FULL, BatchDescriptor(padded)
@@ -174,6 +211,9 @@ class Dispatcher:
         keys = []
         if self.graph_mode.has_full_graphs:
             keys += [(GraphMode.FULL, BatchDescriptor(s, s, True)) for s in self.decode_sizes]
+            q = self.verify_query_len
+            keys += [(GraphMode.FULL, BatchDescriptor(s, s // q, True, q))
+                     for s in self.verify_sizes]
         if self.graph_mode is GraphMode.FULL:
             keys += [(GraphMode.FULL, BatchDescriptor(s)) for s in self.capture_sizes]
         if self.graph_mode.has_piecewise_graphs:

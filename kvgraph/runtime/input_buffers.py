@@ -4,8 +4,9 @@ Graphs record addresses, so a step never allocates its inputs: `InputBuffers.fil
 plan's values into the first rows of buffers sized for `max_num_tokens` / `max_num_seqs`, pads
 the rest of the descriptor's rows, and hands out views of them (one host-to-device copy a
 step). Padding rules: padded tokens get id 0, position 0 and slot -1 (nothing is written to the
-cache). Padded requests (full graphs) each own one padded token while there are any, and have
-sequence length 0, so attention sees no key and returns zeros: never NaN.
+cache). Padded requests (full graphs) each own the descriptor's `query_len` padded tokens
+(one, or a verify step's 1 + K) while there are any, and have sequence length 0, so attention
+sees no key and returns zeros: never NaN.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _FIELDS = (
     ("input_ids", torch.int64, "T"),
     ("positions", torch.int64, "T"),
     ("slot_mapping", torch.int64, "T"),
-    ("logits_indices", torch.int64, "R"),
+    ("logits_indices", torch.int64, "T"),  # up to every token (a verify step's num_logits)
     ("seq_lens", torch.int32, "R"),
     ("query_start_loc", torch.int32, "R+1"),
     ("block_table", torch.int32, "RxB"),
@@ -126,11 +127,14 @@ class InputBuffers:
             host["slot_mapping"][:t] = PADDING_SLOT
         host["seq_lens"][:r] = batch.seq_lens
         host["seq_lens"][r:padded_r] = 0
-        # Padded requests own one padded token each, in order, while padded tokens last.
+        # Padded requests own query_len padded tokens each (a uniform descriptor's shape), in
+        # order, while padded tokens last.
+        q = plan.descriptor.query_len
         query_start_loc = host["query_start_loc"]
         query_start_loc[:r + 1] = batch.query_start_loc
-        query_start_loc[r + 1:padded_r + 1] = np.minimum(np.arange(n + 1, n + 1 + padded_r - r), t)
-        host["logits_indices"][:r] = batch.query_start_loc[1:] - 1
+        query_start_loc[r + 1:padded_r + 1] = np.minimum(
+            n + q * np.arange(1, 1 + padded_r - r), t)
+        host["logits_indices"][:len(batch.logits_indices)] = batch.logits_indices
         block_table = host["block_table"]
         block_table[:padded_r] = 0
         block_table[:r, : batch.block_table.shape[1]] = batch.block_table

@@ -2,7 +2,7 @@
 
     runner = kvgraph.ModelRunner(model, config, num_blocks=..., block_size=..., ...)
     runner.capture()                   # compiles first, then every graph, largest first
-    logits = runner.execute(chunks)    # [num_reqs, vocab]: each chunk's last-token logits
+    logits = runner.execute(chunks)    # [sum(num_logits), vocab]: chunks' last tokens' logits
 
 A step's path (validate, dispatch, plan, fill the persistent buffers, run or replay) is drawn
 in docs/architecture.md. The runner owns its graphs, their pool, its caches and compiled code:
@@ -33,9 +33,11 @@ from kvgraph.forward_context import (AttentionProbe, BatchDescriptor, KVLayerHoo
                                      set_forward_context)
 from kvgraph.runtime import model_claim
 from kvgraph.runtime.capture import capture_graphs
+from kvgraph.runtime.capture_dummies import capture_dummy, dummy_batch
 from kvgraph.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from kvgraph.kv_transfer.worker import WorkerConnector, disabled_stats as no_connector_stats
-from kvgraph.runtime.dispatcher import Dispatcher, resolve_graph_mode, resolve_runner_mode
+from kvgraph.runtime.dispatcher import (Dispatcher, resolve_graph_mode, resolve_runner_mode,
+                                        verify_query_len)
 from kvgraph.runtime.graphs import GraphSet, graph_key
 from kvgraph.runtime.input_buffers import InputBuffers
 from kvgraph.runtime.platforms import get_platform
@@ -149,8 +151,8 @@ class ModelRunner:
         self._check_open()
         if self._compiled:
             return
-        step = self._prepare(self._dummy_batch(1), GraphMode.NONE, BatchDescriptor(1),
-                             writes_cache=False)
+        step = self._prepare(dummy_batch(1, self.limits.block_size), GraphMode.NONE,
+                             BatchDescriptor(1), writes_cache=False)
         start = time.perf_counter()
         with self._ranks.together("compile"):
             try:
@@ -171,13 +173,14 @@ class ModelRunner:
         if compiled.splitting_ops or not self.config.splitting_ops:
             return
         mode = resolve_graph_mode(compiled.graph_mode, self._backend.graph_support,
-                                  self._backend.name, can_split=False)
+                                  self._backend.name, False, self.config.uniform_decode_query_len)
         self.config = self.config.replace(splitting_ops=(), graph_mode=mode)
         self._dispatcher = self._new_dispatcher()
 
     def _new_dispatcher(self) -> Dispatcher:
         return Dispatcher(self.config.graph_mode, self.config.capture_size_list,
-                          self.limits.max_num_seqs, self._graphs.has)
+                          self.limits.max_num_seqs, self._graphs.has,
+                          verify_query_len(self.config, self._backend.graph_support))
 
     def capture(self) -> dict[str, Any]:
         """Compile if not yet done, then capture every graph the mode asks for, largest first.
@@ -193,7 +196,8 @@ class ModelRunner:
 
     def execute(self, chunks: Sequence[RequestChunk],
                 kv_connector_metadata: KVConnectorMetadata | None = None) -> torch.Tensor:
-        """Run one step; the logits of each chunk's last token, `[len(chunks), vocab]`.
+        """Run one step; the logits of each chunk's last `num_logits` tokens (one by default),
+        chunk after chunk, `[sum of num_logits, vocab]`.
 
         The logits are a fresh tensor: the next step's replay does not overwrite them. With a
         KV connector, `kv_connector_metadata` is its scheduler side's for this step.
@@ -231,7 +235,7 @@ class ModelRunner:
         input_ids, positions, metadata = self._buffers.fill(plan)
         metadata.plan = self._backend.plan(metadata, descriptor)
         return Step(plan, input_ids, positions, metadata,
-                    self._buffers.logits_indices[:batch.num_reqs])
+                    self._buffers.logits_indices[:len(batch.logits_indices)])
 
     def _run(self, step: Step, model: Callable | None = None,
              probe: AttentionProbe | None = None, kv_hooks: KVLayerHooks | None = None
@@ -261,16 +265,12 @@ class ModelRunner:
             yield lambda: model(step.input_ids, step.positions)
 
     def _capture_one(self, mode: GraphMode, descriptor: BatchDescriptor) -> None:
-        # One-token requests shaped like the descriptor's real batches; they write nothing.
-        batch = self._dummy_batch(descriptor.num_reqs or 1)
+        batch = capture_dummy(descriptor, self.limits.block_size)  # writes nothing
         if self._platform.needs_warmup:  # first runs initialise kernels that capture cannot
             self._run(self._prepare(batch, GraphMode.NONE, descriptor, writes_cache=False))
         step = self._prepare(batch, mode, descriptor, writes_cache=False)
         with self._step_context(step) as forward:
             self._graphs.capture(mode, descriptor, step.metadata, forward)
-
-    def _dummy_batch(self, num_reqs: int) -> HostBatch:
-        return host_batch([RequestChunk([0], 0, [0])] * num_reqs, self.limits.block_size)
 
     # --- state ------------------------------------------------------------------------------
 

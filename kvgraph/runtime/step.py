@@ -93,4 +93,4 @@ class Step:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # the hidden-state row of each request's last token
+    logits_indices: torch.Tensor  # the hidden-state rows that need logits (HostBatch's)

@@ -14,7 +14,8 @@ from kvgraph.config import DEFAULT_MAX_NUM_TOKENS
 
 ALL_MODES = ["eager", "none", "piecewise", "full", "full_decode_only", "full_and_piecewise"]
 FIELDS = [
-    "graph_mode", "max_num_tokens", "capture_sizes", "compile_sizes", "piece_compiler",
+    "graph_mode", "max_num_tokens", "capture_sizes", "compile_sizes", "num_speculative_tokens",
+    "piece_compiler",
     "splitting_ops", "passes", "mode", "use_compile_cache", "cache_dir", "debug_dump_path",
     "check_guards", "check_graph_inputs", "check_rank_agreement", "on_compile_error", "verify",
     "verify_every", "verify_action", "verify_tolerance",

@@ -118,7 +118,9 @@ def split_requests(ends: list[int], kv_lens: list[int]
 
 def _refuse_capture_beyond_limit(plan) -> None:
     """A captured call cannot be cut per replay: refuse graphs whose requests may be long."""
-    uniform = plan.descriptor is not None and plan.descriptor.uniform_decode
+    # A uniform batch's requests hold query_len tokens each: within FIA's limit, no cut needed.
+    uniform = (plan.descriptor is not None and plan.descriptor.uniform_decode
+               and plan.descriptor.query_len <= MAX_QUERY_PER_REQUEST)
     if plan.capture is not None and not uniform and plan.num_tokens > MAX_QUERY_PER_REQUEST:
         raise GraphError(
             f"a full graph of {plan.num_tokens} mixed tokens cannot hold ascend MLA: FIA's MLA "

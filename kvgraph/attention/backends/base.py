@@ -27,11 +27,23 @@ from kvgraph.forward_context import BatchDescriptor
 
 
 class GraphSupport(enum.Enum):
-    """Which batches an attention backend can run inside a captured graph."""
+    """Which batches an attention backend can run inside a captured full graph.
+
+    ALWAYS: any batch. UNIFORM_BATCH: uniform batches of any query length (every request adds
+    the same tokens: decode steps, and speculative verify steps of 1 + K tokens a request).
+    UNIFORM_DECODE: uniform batches of one token a request only. NEVER: none.
+    """
 
     ALWAYS = "always"
+    UNIFORM_BATCH = "uniform_batch"
     UNIFORM_DECODE = "uniform_decode"
     NEVER = "never"
+
+    def runs_uniform(self, query_len: int) -> bool:
+        """Whether a full graph can hold uniform batches of `query_len` tokens a request."""
+        if query_len == 1:
+            return self is not GraphSupport.NEVER
+        return self in (GraphSupport.ALWAYS, GraphSupport.UNIFORM_BATCH)
 
 
 class StepLengths(NamedTuple):
@@ -76,10 +88,11 @@ class AttentionBackend:
         """What a step replayed from a device's full graph of `descriptor` carries.
 
         A device graph replays the kernels as captured, so every host int they read is frozen at
-        capture: the default freezes both at the largest a replay can meet (a uniform-decode
-        query is one token; a mixed one at most the descriptor's tokens).
+        capture: the default freezes both at the largest a replay can meet (a uniform batch's
+        query is the descriptor's `query_len` tokens, one for decode; a mixed one at most the
+        descriptor's tokens).
         """
-        longest_query = 1 if descriptor.uniform_decode else descriptor.num_tokens
+        longest_query = descriptor.query_len if descriptor.uniform_decode else descriptor.num_tokens
         return StepLengths(longest_query, max_model_len)
 
     def plan(self, metadata: AttentionMetadata, descriptor: BatchDescriptor | None

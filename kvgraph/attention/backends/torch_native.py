@@ -2,7 +2,8 @@
 
 It handles any mix of prefill, chunked prefill and decode in one batch, and makes no host
 synchronisation: every shape comes from tensor shapes and the host ints of the metadata
-(`max_query_len`, `max_seq_len`), so a uniform-decode step can be captured in a graph.
+(`max_query_len`, `max_seq_len`), so a uniform step (decode, or a speculative verify step of
+1 + K tokens a request) can be captured in a graph.
 
 Buffers: it keeps none. Its step plan (`TokenLayoutPlan`) maps tokens to the padded
 `[num_reqs, max_query_len]` layout once per step; per call it gathers each request's cached
@@ -150,8 +151,10 @@ class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
     device_types = None  # plain torch: any device
     # Mixed batches would need metadata padded to max_num_seqs x max_num_tokens queries to keep
-    # shapes fixed, which costs more than running attention outside the graph.
-    graph_support = GraphSupport.UNIFORM_DECODE
+    # shapes fixed, which costs more than running attention outside the graph. A uniform batch
+    # of q tokens a request fits the padded [num_reqs, q] layout exactly, with max_query_len
+    # frozen at q (padded requests own q padding tokens and no key: they read nothing).
+    graph_support = GraphSupport.UNIFORM_BATCH
     plan_class = TokenLayoutPlan
 
     def forward(self, query, key, value, kv_cache, out, metadata, scale, sliding_window,

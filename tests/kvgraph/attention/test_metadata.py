@@ -241,12 +241,13 @@ def test_batch_error_is_a_value_error():
 def test_batch_descriptor_defaults_equality_and_hash():
     d = kvgraph.BatchDescriptor(8)
     assert (d.num_tokens, d.num_reqs, d.uniform_decode) == (8, None, False)
-    a = kvgraph.BatchDescriptor(16, 4, True)
-    b = kvgraph.BatchDescriptor(num_tokens=16, num_reqs=4, uniform_decode=True)
+    a = kvgraph.BatchDescriptor(16, 16, True)
+    b = kvgraph.BatchDescriptor(num_tokens=16, num_reqs=16, uniform_decode=True)
     assert a == b and hash(a) == hash(b) and a is not b
-    assert a != kvgraph.BatchDescriptor(16, 4, False)
+    assert a != kvgraph.BatchDescriptor(16, 16, False)
     assert a != kvgraph.BatchDescriptor(16, None, True)
-    assert a != kvgraph.BatchDescriptor(32, 4, True)
+    assert a != kvgraph.BatchDescriptor(16, 4, True, query_len=4)
+    assert a != kvgraph.BatchDescriptor(32, 32, True)
     graphs = {a: "g1", kvgraph.BatchDescriptor(16): "g2"}
     assert graphs[b] == "g1" and graphs[kvgraph.BatchDescriptor(16, None, False)] == "g2"
     assert len({a, b, kvgraph.BatchDescriptor(16)}) == 2

@@ -50,7 +50,7 @@ def test_piecewise_and_full_graphs_with_inductor_pieces(compile_cache_dir):
 
 def test_full_mode_is_downgraded_with_a_warning_naming_mode_backend_and_reason(caplog):
     with caplog.at_level(logging.WARNING, logger="kvgraph.runtime.dispatcher"):
-        # torch_native captures uniform decode only (the CPU default, cpu_paged, captures all).
+        # torch_native captures uniform batches only (the CPU default, cpu_paged, captures all).
         runner = make_runner("llama", "full", attn_backend="torch_native")
     assert runner.config.graph_mode is GraphMode.FULL_AND_PIECEWISE
     assert "'full' downgraded to 'full_and_piecewise'" in caplog.text

@@ -288,7 +288,7 @@ def test_without_a_compiler_it_logs_why_and_runs_torch_native(monkeypatch, caplo
     with caplog.at_level(logging.WARNING):
         fallback = CPUPagedBackend()
     assert "no g++" in caplog.text and "torch_native" in caplog.text
-    assert fallback.fallback_reason and fallback.graph_support is GraphSupport.UNIFORM_DECODE
+    assert fallback.fallback_reason and fallback.graph_support is GraphSupport.UNIFORM_BATCH
     batch = random_attention_batch("mixed", 4, "gqa", dtype=torch.float32)
     assert_close(run(fallback, batch), batch.ref, torch.float32)
     check_caches(batch)

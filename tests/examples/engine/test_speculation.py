@@ -1,0 +1,168 @@
+"""Speculative decoding in the example engine (issue 47): n-gram drafts proposed after each step
+and verified by the target in the next.
+
+References are independent of speculation: the same engine without it gives the greedy tokens
+and their logprobs; the drafts, accepted tokens and verify steps are counted by the engine and
+the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import types
+
+import pytest
+
+import kvgraph
+from examples.engine import FinishReason, LLMEngine, SamplingParams
+from examples.engine.engine_args import add_engine_args, compilation_config
+from examples.engine.speculative_config import SpeculativeConfig
+from examples.engine.tokenizer import ByteTokenizer
+from tests.support.engines import BLOCK_SIZE, MAX_MODEL_LEN
+from tests.support.scenario import make_model
+
+K = 3
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1,
+                          prompt_lookup_max=3)
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+# Prompts that repeat themselves, so lookups find drafts, and one that does not.
+PROMPTS = [[5, 6, 7, 8] * 5, [40, 41, 42] * 6 + [40], list(range(100, 117)),
+           [9, 9, 9, 10, 11, 9, 9, 9, 10]]
+
+
+def engine(kind: str, mode: str = "eager", spec: SpeculativeConfig | None = None,
+           num_blocks: int | None = None, budget: int = 32, max_num_seqs: int = 4
+           ) -> LLMEngine:
+    k = spec.num_speculative_tokens if spec else 0
+    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
+                                       max_num_tokens=budget, num_speculative_tokens=k,
+                                       capture_sizes=[s for s in (1, 2, 4, 8, 16, 32)
+                                                      if s <= budget])
+    num_blocks = num_blocks or max_num_seqs * MAX_MODEL_LEN // BLOCK_SIZE
+    runner = kvgraph.ModelRunner(make_model(kind, seed=1), config, num_blocks=num_blocks,
+                                 block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                                 max_model_len=MAX_MODEL_LEN)
+    runner.capture()
+    return LLMEngine(runner, ByteTokenizer(), speculative_config=spec)
+
+
+def tokens(completions) -> list[tuple[int, ...]]:
+    return [c.token_ids for c in completions]
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+def test_greedy_tokens_are_those_of_decoding_without_drafts(kind):
+    expected = tokens(engine(kind).generate(PROMPTS, GREEDY))
+    speculating = engine(kind, spec=NGRAM)
+    assert tokens(speculating.generate(PROMPTS, GREEDY)) == expected
+    stats = speculating.stats()
+    assert stats["spec_decode_drafts"] > 0
+    assert 0 < stats["spec_decode_accepted_tokens"] <= stats["spec_decode_draft_tokens"]
+    assert stats["spec_decode_mean_accepted_length"] == pytest.approx(
+        1 + stats["spec_decode_accepted_tokens"] / stats["spec_decode_drafts"])
+    # Fewer steps than tokens: accepted drafts came out several to a step.
+    assert stats["steps"] < sum(map(len, expected))
+
+
+def test_max_tokens_and_stop_tokens_cut_a_step_of_several_tokens():
+    reference = engine("llama").generate(PROMPTS[:1], GREEDY)[0].token_ids
+    for max_tokens in (1, 2, 5, 7):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        (got,) = engine("llama", spec=NGRAM).generate(PROMPTS[:1], params)
+        assert got.token_ids == reference[:max_tokens]
+        assert got.finish_reason is FinishReason.LENGTH
+    stop = reference[4]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    (got,) = engine("llama", spec=NGRAM).generate(PROMPTS[:1], params)
+    assert got.token_ids == reference[:reference.index(stop) + 1]
+    assert got.finish_reason is FinishReason.STOP
+
+
+def test_logprobs_of_accepted_tokens_equal_those_without_drafts():
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(spec):
+        e = engine("llama", spec=spec)
+        request = e.add_request(PROMPTS[0], params)
+        outputs = []
+        while e.has_unfinished:
+            outputs += [o for o in e.step() if o.request_id == request.request_id]
+        return outputs, e
+
+    expected, _ = run(None)
+    got, speculating = run(NGRAM)
+    assert speculating.stats()["spec_decode_accepted_tokens"] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for a, b in zip(got, expected):
+        assert a.logprobs.token_id == b.logprobs.token_id
+        assert a.logprobs.logprob == pytest.approx(b.logprobs.logprob, abs=1e-5)
+        assert [t for t, _ in a.logprobs.top] == [t for t, _ in b.logprobs.top]
+
+
+def test_preemption_and_a_tight_budget_keep_the_tokens():
+    expected = tokens(engine("llama").generate(PROMPTS, GREEDY))
+    tight = engine("llama", spec=NGRAM, num_blocks=24, budget=8)
+    assert tokens(tight.generate(PROMPTS, GREEDY)) == expected
+    assert tight.stats()["preemptions"] > 0
+
+
+def test_seeded_sampling_is_reproducible_and_penalised_requests_get_no_drafts():
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
+    alone = engine("llama", spec=NGRAM).generate(PROMPTS[:1], seeded)[0].token_ids
+    mixed = engine("llama", spec=NGRAM).generate(
+        PROMPTS, [seeded, GREEDY, GREEDY, GREEDY])[0].token_ids
+    assert alone == mixed
+    penalised = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                               repetition_penalty=1.3)
+    e = engine("llama", spec=NGRAM)
+    assert tokens(e.generate(PROMPTS[:1], penalised)) == tokens(
+        engine("llama").generate(PROMPTS[:1], penalised))
+    assert e.stats()["spec_decode_drafts"] == 0
+
+
+def test_metrics_count_drafts_and_accepted_tokens():
+    from examples.engine.metrics import ServerMetrics
+
+    e = engine("llama", spec=NGRAM)
+    e.generate(PROMPTS, GREEDY)
+    text = ServerMetrics(types.SimpleNamespace(stats=e.stats())).render().decode()
+    values = {name: float(value) for name, value in
+              re.findall(r"^(kvgraph_spec_decode_\w+) (\S+)$", text, re.MULTILINE)}
+    stats = e.stats()
+    assert values == {"kvgraph_spec_decode_drafts_total": stats["spec_decode_drafts"],
+                      "kvgraph_spec_decode_draft_tokens_total":
+                          stats["spec_decode_draft_tokens"],
+                      "kvgraph_spec_decode_accepted_tokens_total":
+                          stats["spec_decode_accepted_tokens"]}
+    assert values["kvgraph_spec_decode_accepted_tokens_total"] > 0
+
+
+def test_the_flag_sets_the_runners_num_speculative_tokens_and_refuses_a_draft_model(capsys):
+    parser = add_engine_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert args.speculative_config.num_speculative_tokens == 2
+    assert compilation_config(args).num_speculative_tokens == 2
+    assert compilation_config(parser.parse_args([])).num_speculative_tokens == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "draft_model", "model": "m", '
+                           '"num_speculative_tokens": 2}'])
+    assert "'draft_model' (a draft model's runner) is not built yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config",
+                           '{"method": "ngram", "num_speculative_tokens": 0}'])
+    assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+@pytest.mark.parametrize("mode", ["eager", "none", "piecewise", "full", "full_decode_only",
+                                  "full_and_piecewise"])
+def test_every_graph_mode_gives_the_tokens_and_verify_steps_replay_graphs(kind, mode):
+    expected = tokens(engine(kind, mode).generate(PROMPTS[:2], GREEDY))
+    speculating = engine(kind, mode, spec=NGRAM)
+    assert tokens(speculating.generate(PROMPTS[:2], GREEDY)) == expected
+    hits = speculating.stats()["runner"]["hits"]
+    verify = {key: n for key, n in hits.items() if f"query_len={K + 1}" in key}
+    if mode in ("full", "full_decode_only", "full_and_piecewise"):
+        assert any(key.startswith("full:") for key in verify), hits

@@ -162,7 +162,8 @@ class SharedStorageConnector(KVConnectorBase):
         """The full prompt blocks `request`'s next `num_tokens` tokens complete, if any."""
         start = request.num_computed_tokens
         end = min(start + num_tokens, len(request.prompt_token_ids))
-        first, last = -(-start // self.block_size), end // self.block_size
+        # The block `start` falls in is completed now too when a chunk before ended inside it.
+        first, last = start // self.block_size, end // self.block_size
         if last <= first:
             return None
         hashes = self._prompt_hashes(request)

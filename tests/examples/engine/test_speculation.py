@@ -14,47 +14,15 @@ import types
 
 import pytest
 
-import kvgraph
-from examples.engine import FinishReason, LLMEngine, SamplingParams
+from examples.engine import FinishReason, SamplingParams
 from examples.engine.engine_args import add_engine_args, compilation_config
-from examples.engine.speculative_config import SpeculativeConfig
-from examples.engine.tokenizer import ByteTokenizer
-from tests.support.engines import BLOCK_SIZE, MAX_MODEL_LEN
-from tests.support.scenario import make_model
-
-K = 3
-NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=K, prompt_lookup_min=1,
-                          prompt_lookup_max=3)
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-# Prompts that repeat themselves, so lookups find drafts, and one that does not.
-PROMPTS = [[5, 6, 7, 8] * 5, [40, 41, 42] * 6 + [40], list(range(100, 117)),
-           [9, 9, 9, 10, 11, 9, 9, 9, 10]]
-
-
-def engine(kind: str, mode: str = "eager", spec: SpeculativeConfig | None = None,
-           num_blocks: int | None = None, budget: int = 32, max_num_seqs: int = 4
-           ) -> LLMEngine:
-    k = spec.num_speculative_tokens if spec else 0
-    config = kvgraph.CompilationConfig(graph_mode=mode, piece_compiler="eager",
-                                       max_num_tokens=budget, num_speculative_tokens=k,
-                                       capture_sizes=[s for s in (1, 2, 4, 8, 16, 32)
-                                                      if s <= budget])
-    num_blocks = num_blocks or max_num_seqs * MAX_MODEL_LEN // BLOCK_SIZE
-    runner = kvgraph.ModelRunner(make_model(kind, seed=1), config, num_blocks=num_blocks,
-                                 block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs,
-                                 max_model_len=MAX_MODEL_LEN)
-    runner.capture()
-    return LLMEngine(runner, ByteTokenizer(), speculative_config=spec)
-
-
-def tokens(completions) -> list[tuple[int, ...]]:
-    return [c.token_ids for c in completions]
+from tests.support.speculation import GREEDY, K, NGRAM, PROMPTS, build, tokens
 
 
 @pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
 def test_greedy_tokens_are_those_of_decoding_without_drafts(kind):
-    expected = tokens(engine(kind).generate(PROMPTS, GREEDY))
-    speculating = engine(kind, spec=NGRAM)
+    expected = tokens(build(kind=kind).generate(PROMPTS, GREEDY))
+    speculating = build(NGRAM, kind=kind)
     assert tokens(speculating.generate(PROMPTS, GREEDY)) == expected
     stats = speculating.stats()
     assert stats["spec_decode_drafts"] > 0
@@ -66,15 +34,15 @@ def test_greedy_tokens_are_those_of_decoding_without_drafts(kind):
 
 
 def test_max_tokens_and_stop_tokens_cut_a_step_of_several_tokens():
-    reference = engine("llama").generate(PROMPTS[:1], GREEDY)[0].token_ids
+    reference = build().generate(PROMPTS[:1], GREEDY)[0].token_ids
     for max_tokens in (1, 2, 5, 7):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        (got,) = engine("llama", spec=NGRAM).generate(PROMPTS[:1], params)
+        (got,) = build(NGRAM).generate(PROMPTS[:1], params)
         assert got.token_ids == reference[:max_tokens]
         assert got.finish_reason is FinishReason.LENGTH
     stop = reference[4]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop])
-    (got,) = engine("llama", spec=NGRAM).generate(PROMPTS[:1], params)
+    (got,) = build(NGRAM).generate(PROMPTS[:1], params)
     assert got.token_ids == reference[:reference.index(stop) + 1]
     assert got.finish_reason is FinishReason.STOP
 
@@ -83,7 +51,7 @@ def test_logprobs_of_accepted_tokens_equal_those_without_drafts():
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
 
     def run(spec):
-        e = engine("llama", spec=spec)
+        e = build(spec)
         request = e.add_request(PROMPTS[0], params)
         outputs = []
         while e.has_unfinished:
@@ -101,30 +69,30 @@ def test_logprobs_of_accepted_tokens_equal_those_without_drafts():
 
 
 def test_preemption_and_a_tight_budget_keep_the_tokens():
-    expected = tokens(engine("llama").generate(PROMPTS, GREEDY))
-    tight = engine("llama", spec=NGRAM, num_blocks=24, budget=8)
+    expected = tokens(build().generate(PROMPTS, GREEDY))
+    tight = build(NGRAM, num_blocks=24, budget=8)
     assert tokens(tight.generate(PROMPTS, GREEDY)) == expected
     assert tight.stats()["preemptions"] > 0
 
 
 def test_seeded_sampling_is_reproducible_and_penalised_requests_get_no_drafts():
     seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
-    alone = engine("llama", spec=NGRAM).generate(PROMPTS[:1], seeded)[0].token_ids
-    mixed = engine("llama", spec=NGRAM).generate(
+    alone = build(NGRAM).generate(PROMPTS[:1], seeded)[0].token_ids
+    mixed = build(NGRAM).generate(
         PROMPTS, [seeded, GREEDY, GREEDY, GREEDY])[0].token_ids
     assert alone == mixed
     penalised = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
                                repetition_penalty=1.3)
-    e = engine("llama", spec=NGRAM)
+    e = build(NGRAM)
     assert tokens(e.generate(PROMPTS[:1], penalised)) == tokens(
-        engine("llama").generate(PROMPTS[:1], penalised))
+        build().generate(PROMPTS[:1], penalised))
     assert e.stats()["spec_decode_drafts"] == 0
 
 
 def test_metrics_count_drafts_and_accepted_tokens():
     from examples.engine.metrics import ServerMetrics
 
-    e = engine("llama", spec=NGRAM)
+    e = build(NGRAM)
     e.generate(PROMPTS, GREEDY)
     text = ServerMetrics(types.SimpleNamespace(stats=e.stats())).render().decode()
     values = {name: float(value) for name, value in
@@ -159,8 +127,8 @@ def test_the_flag_sets_the_runners_num_speculative_tokens_and_refuses_a_draft_mo
 @pytest.mark.parametrize("mode", ["eager", "none", "piecewise", "full", "full_decode_only",
                                   "full_and_piecewise"])
 def test_every_graph_mode_gives_the_tokens_and_verify_steps_replay_graphs(kind, mode):
-    expected = tokens(engine(kind, mode).generate(PROMPTS[:2], GREEDY))
-    speculating = engine(kind, mode, spec=NGRAM)
+    expected = tokens(build(kind=kind, mode=mode).generate(PROMPTS[:2], GREEDY))
+    speculating = build(NGRAM, kind=kind, mode=mode)
     assert tokens(speculating.generate(PROMPTS[:2], GREEDY)) == expected
     hits = speculating.stats()["runner"]["hits"]
     verify = {key: n for key, n in hits.items() if f"query_len={K + 1}" in key}

@@ -85,6 +85,18 @@ def sizes(name: str, value: Any) -> tuple[int, ...]:
     return tuple(sorted({int(s) for s in value}))
 
 
+def json_object(name: str, label: str, value: Any, known: list[str], hint: str = "") -> dict:
+    """`value`, a parsed JSON config, if it is an object of `known` fields only; a ConfigError
+    under `name` otherwise (`label` names the config, `hint` shows a valid one)."""
+    if not isinstance(value, dict):
+        raise ConfigError(name, f"{label}: expected an object, got {type(value).__name__}"
+                          + (f"; {hint}" if hint else ""))
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ConfigError(name, f"{label}: unknown field(s) {unknown}; valid: {known}")
+    return value
+
+
 def optional(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
     return lambda name, value: None if value is None else check(name, value)
 

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvgraph.config_checks import json_object
 from kvgraph.errors import ConfigError
 
 METHODS = ("ngram", "draft_model")
@@ -122,14 +123,8 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, value: Any) -> SpeculativeConfig:
         """The config a parsed JSON object describes (`from_json`'s checks, less the JSON)."""
-        if not isinstance(value, dict):
-            raise ConfigError("speculative_config", f"speculative config: expected an "
-                              f"object, got {type(value).__name__}; {EXAMPLE}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ConfigError("speculative_config", f"speculative config: unknown field(s) "
-                              f"{unknown}; valid: {known}")
+        json_object("speculative_config", "speculative config", value,
+                    [f.name for f in fields(cls)], EXAMPLE)
         if "num_speculative_tokens" not in value:
             raise ConfigError("num_speculative_tokens", "num_speculative_tokens: required (an "
                               "integer >= 1, the tokens proposed per step), got none")

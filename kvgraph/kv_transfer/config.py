@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from kvgraph.config_checks import json_object
 from kvgraph.errors import ConfigError
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -70,14 +71,8 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, value: Any) -> KVTransferConfig:
-        if not isinstance(value, dict):
-            raise ConfigError("kv_transfer_config", "kv transfer config: expected an object, "
-                              f"got {type(value).__name__}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ConfigError("kv_transfer_config", f"kv transfer config: unknown field(s) "
-                              f"{unknown}; valid: {known}")
+        json_object("kv_transfer_config", "kv transfer config", value,
+                    [f.name for f in fields(cls)])
         if "kv_connector" not in value:
             raise ConfigError("kv_connector", "kv transfer config: kv_connector is required")
         return cls(**value)

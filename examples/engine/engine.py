@@ -196,8 +196,8 @@ class LLMEngine:
         else:
             emitted = self.speculator.verify(logits, ready)
         outputs = []
-        for request, tokens, token_logprobs in zip(ready, emitted,
-                                                   emitted_logprobs(rows, emitted, ready)):
+        logprobs = emitted_logprobs(logits, [len(r) for r in rows], emitted, ready)
+        for request, tokens, token_logprobs in zip(ready, emitted, logprobs):
             if isinstance(tokens, Exception):
                 outputs.append(self._emit(request, tokens, now, None))
                 continue

@@ -58,19 +58,22 @@ def sampled_logprobs(logits: torch.Tensor, tokens: Sequence[int | Exception],
     return batch_logprobs(logits, [0 if isinstance(t, Exception) else t for t in tokens], ks)
 
 
-def emitted_logprobs(rows: Sequence[torch.Tensor], emitted: Sequence[list[int] | Exception],
-                     requests: Sequence[Request]) -> list[list[TokenLogprobs | None]]:
+def emitted_logprobs(logits: torch.Tensor, counts: Sequence[int],
+                     emitted: Sequence[list[int] | Exception], requests: Sequence[Request]
+                     ) -> list[list[TokenLogprobs | None]]:
     """Each request's logprobs of the tokens it emitted (see `sampled_logprobs`): token j from
-    row j of its `rows` (a verify step's: one per draft and one more), in one batch."""
-    starts = itertools.accumulate((len(r) for r in rows), initial=0)
+    row j of its `counts` rows of `logits` (a verify step's: one per draft and one more), in one
+    batch; None for each token of a request that did not ask."""
+    starts = itertools.accumulate(counts, initial=0)
     flat = [(start + j, request, token)
             for request, tokens, start in zip(requests, emitted, starts)
-            if not isinstance(tokens, Exception) for j, token in enumerate(tokens)]
-    found = iter(sampled_logprobs(torch.cat(list(rows))[[i for i, _, _ in flat]],
-                                  [t for _, _, t in flat], [r for _, r, _ in flat])
-                 if flat else ())
-    return [[] if isinstance(tokens, Exception) else [next(found) for _ in tokens]
-            for tokens in emitted]
+            if not isinstance(tokens, Exception) and request.params.logprobs is not None
+            for j, token in enumerate(tokens)]
+    found = iter(sampled_logprobs(logits[[i for i, _, _ in flat]], [t for _, _, t in flat],
+                                  [r for _, r, _ in flat]) if flat else ())
+    return [[] if isinstance(tokens, Exception) else
+            [next(found) if request.params.logprobs is not None else None for _ in tokens]
+            for request, tokens in zip(requests, emitted)]
 
 
 def prompt_logprobs(hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor],

@@ -77,7 +77,7 @@ class AsyncEngine:
         if self._thread.is_alive():
             logger.error("not closing the runner: a step is still running on it")
             return
-        self.engine.runner.close()
+        self.engine.close()
 
     def liveness(self) -> str | None:
         """Why the engine cannot serve now (for /health), or None while it can."""

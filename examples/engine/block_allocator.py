@@ -54,6 +54,10 @@ class BlockAllocator:
         """Blocks registered in the prefix cache, held or free."""
         return len(self._block_of)
 
+    def is_shared(self, block: int) -> bool:
+        """Whether more than one request holds `block` (a prefix cache hit's)."""
+        return self._refs.get(block, 0) > 1
+
     def allocate(self, count: int) -> list[int] | None:
         """`count` fresh blocks, now held by the caller; None (nothing taken) if too few free."""
         if count > self.num_free:

@@ -24,6 +24,7 @@ from kvgraph.kv_transfer import KVConnectorBase, KVConnectorMetadata, KVConnecto
 
 from .block_allocator import BlockAllocator, blocks_for
 from .detokenizer import Detokenizer
+from .draft_model import check_draft_runner
 from .errors import RequestError
 from .external_kv import ExternalKV, merged
 from .step_faults import forward_or_retry
@@ -51,13 +52,16 @@ class LLMEngine:
     `enable_prefix_caching` is False. `kv_connector`: the scheduler side of the KV connector
     whose worker side the runner was built with (see external_kv.py). `speculative_config`:
     decode speculatively (see speculation.py; the runner's CompilationConfig should have its
-    `num_speculative_tokens`, so verify steps replay graphs).
+    `num_speculative_tokens`, so verify steps replay graphs); `draft_runner`: the draft
+    model's runner, for the `draft_model` method (same device, vocabulary and block size, at
+    least as many blocks: it shares the target's block tables). `close()` closes both runners.
     """
 
     def __init__(self, runner: kvgraph.ModelRunner, tokenizer: Any, seed: int = 0,
                  enable_prefix_caching: bool = True,
                  kv_connector: KVConnectorBase | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 draft_runner: kvgraph.ModelRunner | None = None):
         limits = runner.limits
         needed = blocks_for(limits.max_model_len, limits.block_size)
         if limits.num_blocks < needed:
@@ -76,8 +80,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, limits.block_size, limits.max_num_seqs,
                                    limits.max_num_tokens, self.external)
         self.sampler = Sampler(runner.device, seed)
-        self.speculator = speculative_config and Speculator(speculative_config, self.sampler,
-                                                            limits.max_model_len)
+        if draft_runner is not None:
+            check_draft_runner(draft_runner, runner)
+        self.speculator = speculative_config and Speculator(
+            speculative_config, self.sampler, limits.max_model_len, self.scheduler, draft_runner)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -86,6 +92,13 @@ class LLMEngine:
         self.num_step_retries = 0
         self._kv_report = KVConnectorOutput()  # the KV connector's report of the last step
         self._handed_off: list[RequestOutput] = []  # see first_token_handoff.py
+
+    def close(self) -> None:
+        """Close the runner (with tensor parallelism: stop the other ranks) and the draft
+        model's."""
+        self.runner.close()
+        if self.speculator is not None and self.speculator.draft is not None:
+            self.speculator.draft.runner.close()
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Refuse, naming the field, a request that could never run; safe from any thread."""

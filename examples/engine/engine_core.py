@@ -80,7 +80,7 @@ def run_engine_core(conn: Connection, args: argparse.Namespace,
                                      engine.runner.vocab_size, summary, engine.stats())))
         EngineCore(engine, conn, burst_window(args)).run()
     finally:
-        engine.runner.close()  # with tensor parallelism: the other ranks stop too
+        engine.close()  # with tensor parallelism: the other ranks stop too
 
 
 class EngineCore:

@@ -191,6 +191,12 @@ class Scheduler:
                 "prompt_tokens_computed": self.num_prompt_tokens_computed,
                 **self.allocator.stats()}
 
+    def reserve(self, request: Request, num_tokens: int) -> bool:
+        """Give `request` the blocks its next `num_tokens` tokens need now, preempting nobody
+        (a draft model writes their slots before the step that computes them); False, and
+        nothing taken, if too few are free."""
+        return self._grow(request, num_tokens)
+
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Give `request` the blocks its next `num_tokens` tokens need; False if too few free."""
         needed = blocks_for(request.num_computed_tokens + num_tokens, self.block_size)

@@ -182,6 +182,21 @@ class CausalLM(nn.Module):
         return cls.from_hf(dict(cls.presets[name]), **kwargs)
 
     @classmethod
+    def first_layers(cls, config: Mapping[str, Any], num_layers: int, *, seed: int = 0,
+                     **kwargs: Any) -> CausalLM:
+        """A layer-skip draft: the seeded model of HF config `config` cut to its first
+        `num_layers` decoder layers, with its embedding, final norm and head (an early exit,
+        as self-speculative decoding drafts); `kwargs` go to `from_hf` (dtype, device)."""
+        layers = config["num_hidden_layers"]
+        if not 1 <= num_layers <= layers:
+            raise ValueError(f"num_layers: expected 1 to the model's {layers} layers, got "
+                             f"{num_layers}")
+        full = cls.from_hf(config, seed=seed).hf_state_dict()  # on the CPU, in float32
+        kept = {name: tensor for name, tensor in full.items()
+                if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+        return cls.from_hf({**config, "num_hidden_layers": num_layers}, kept, **kwargs)
+
+    @classmethod
     def from_hf(
         cls,
         config: Mapping[str, Any],

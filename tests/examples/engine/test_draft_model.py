@@ -20,12 +20,12 @@ from examples.engine import LLMEngine, SamplingParams
 from examples.engine.draft_model import DraftModelProposer
 from examples.engine.rejection_sampler import RejectionSampler
 from examples.engine.sampler import Sampler
+from examples.engine.tokenizer import ByteTokenizer
 from tests.examples.engine.test_rejection_sampler import ALPHA, make, seeded, target
 from tests.support import chi_square
 from tests.support.engines import BLOCK_SIZE, MAX_MODEL_LEN
 from tests.support.scenario import make_model
 from tests.support.speculation import DRAFT, GREEDY, K, PROMPTS, build, first_layers, tokens
-from examples.engine.tokenizer import ByteTokenizer
 
 FULL_MODES = ("full", "full_decode_only", "full_and_piecewise")
 

@@ -1,7 +1,9 @@
 """The flags every entry point shares (model, device, limits, kvgraph's), and the engine they build.
 
 `--model llama|mla --preset NAME` serves an example model with seeded random weights and a
-byte-level tokenizer; `--model PATH` a local Hugging Face checkpoint directory.
+byte-level tokenizer; `--model PATH` a local Hugging Face checkpoint directory. A draft model
+(`--speculative-config` with the `draft_model` method) gets a runner of its own on rank 0's
+device, built beside the target's (draft_startup.py); not under tensor parallelism.
 
 `--tensor-parallel-size N` shards the model over N ranks (see tp_workers.py and tp_runner.py):
 `build_engine` then spawns ranks 1..N-1, or, under torchrun, is rank 0 of torchrun's; every rank
@@ -18,10 +20,9 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import kvgraph
@@ -31,9 +32,11 @@ from kvgraph.inspect import units
 from kvgraph.kv_transfer import KVConnectorBase, KVConnectorRole
 from kvgraph.runtime.platforms import get_platform
 
+from .draft_startup import (DraftBuild, draft_config, draft_runner, draft_source, load_draft,
+                            refuse_under_tensor_parallelism, start_draft)
 from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
-from .kv_sizing import KVSizing, add_kv_sizing_args, choose_num_blocks
+from .kv_sizing import CacheModel, KVSizing, add_kv_sizing_args, agreed, choose_num_blocks
 from .kv_transfer_args import add_kv_transfer_args, kv_connector
 from .speculative_args import add_speculative_args, with_speculation
 from .startup_gc import freeze_startup_objects
@@ -172,8 +175,8 @@ def decode_capture_sizes(config: kvgraph.CompilationConfig, max_num_seqs: int
 @dataclass(frozen=True)
 class RankBuild:
     """One rank's runner, captured, with the tokenizer, the cache sizing, the capture summary,
-    its compute threads and the seconds of each start-up stage (what rank 0's engine and
-    start-up log need)."""
+    its compute threads, the seconds of each start-up stage and the draft model's runner, if
+    any (what rank 0's engine and start-up log need)."""
 
     runner: kvgraph.ModelRunner
     tokenizer: Any
@@ -181,10 +184,12 @@ class RankBuild:
     capture: dict[str, Any]
     threads: int
     stages: dict[str, float]
+    draft: DraftBuild | None = None
 
 
 def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str) -> RankBuild:
-    """Load, compile and capture this rank's runner on `device` (every rank, the same way).
+    """Load, compile and capture this rank's runner on `device` (every rank, the same way), and
+    the draft model's, if the flags ask for one.
 
     Under tensor parallelism the model is this rank's shard, and the ranks take the smallest
     of their cache sizes (devices may have different memory free).
@@ -194,6 +199,7 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
     if args.block_size is None:
         args.block_size = platform.default_block_size
     tp = tensor_parallel_group()
+    refuse_under_tensor_parallelism(args, tp.world_size)  # torchrun's ranks > 0 start here
     # Before the model compiles: inductor's CPU kernels keep the thread count they are built with.
     who = f"rank {tp.rank} of {tp.world_size}" if tp.world_size > 1 else "engine"
     threads = set_compute_threads(args.threads, ranks_on_node(tp.world_size), who,
@@ -201,25 +207,27 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
     stages = StartupStages(who)
     with stages.stage("load weights", f"loading {_model_source(args, models)}"):
         model, tokenizer = load_model(args, models, tp=tp if tp.world_size > 1 else None)
+    source = draft_source(args, models)
+    draft = None if source is None else load_draft(source, args, models, DTYPES[args.dtype],
+                                                   stages)
     with stages.stage("prepare weights", f"preparing the weights for {device}"):
-        platform.prepare_model(model, pack_weights=args.pack_weights, huge_pages=args.huge_pages)
+        for each in [model] if draft is None else [model, draft]:
+            platform.prepare_model(each, pack_weights=args.pack_weights,
+                                   huge_pages=args.huge_pages)
         platform.prepare_process(keep_freed_memory=args.keep_freed_memory)  # after load's copies
     config = compilation_config(args)
     max_model_len = args.max_model_len or min(model.config.max_position_embeddings,
                                               DEFAULT_MAX_MODEL_LEN)
-
-    def build_runner(num_blocks: int, connector: KVConnectorBase | None = None
-                     ) -> kvgraph.ModelRunner:
-        return kvgraph.ModelRunner(
-            model, config, num_blocks=num_blocks, block_size=args.block_size,
-            max_num_seqs=args.max_num_seqs, device=device, max_model_len=max_model_len,
-            attn_backend=args.attention_backend, kv_connector=connector)
-
+    caches = [CacheModel(model, _runner_factory(model, config, args, max_model_len))]
+    if draft is not None:
+        caches.append(CacheModel(draft, _runner_factory(draft, draft_config(config), args,
+                                                        max_model_len)))
     with stages.stage("size KV cache", "sizing the KV cache"):
-        sizing = _agreed(choose_num_blocks(args, model, DTYPES[args.dtype],
-                                           config.max_num_tokens, max_model_len, build_runner), tp)
-        runner = build_runner(sizing.num_blocks, kv_connector(
+        sizing = agreed(choose_num_blocks(args, caches, DTYPES[args.dtype],
+                                           config.max_num_tokens, max_model_len), tp)
+        runner = caches[0].build_runner(sizing.num_blocks, kv_connector(
             args, models, KVConnectorRole.WORKER, args.block_size, tp.rank, tp.world_size))
+        drafter = None if draft is None else draft_runner(caches[1].build_runner, runner)
     # A compile error raises here, before serving.
     with stages.stage("compile", f"compiling ({config.graph_mode.value} graph mode, "
                       f"{config.piece_compiler} pieces): Dynamo traces the model, then each "
@@ -227,28 +235,31 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
         runner.compile()
     with stages.stage("capture", "capturing graphs"):
         capture = runner.capture()
+    drafted = None if drafter is None else start_draft(drafter, source, stages)
     if args.bind_threads:  # after compiling: what this thread starts later shares its core
         bind_compute_threads(threads, ranks_on_node(tp.world_size),
                              f"rank {tp.rank}" if tp.world_size > 1 else "engine")
     freeze_startup_objects()  # after the last start-up allocation, before the first step
-    return RankBuild(runner, tokenizer, sizing, capture, threads, stages.seconds)
+    return RankBuild(runner, tokenizer, sizing, capture, threads, stages.seconds, drafted)
+
+
+def _runner_factory(model: nn.Module, config: kvgraph.CompilationConfig,
+                    args: argparse.Namespace, max_model_len: int
+                    ) -> Callable[..., kvgraph.ModelRunner]:
+    """Builds `model`'s runner with a number of blocks (and a KV connector's worker side)."""
+    def build_runner(num_blocks: int, connector: KVConnectorBase | None = None
+                     ) -> kvgraph.ModelRunner:
+        return kvgraph.ModelRunner(
+            model, config, num_blocks=num_blocks, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, device=args.device, max_model_len=max_model_len,
+            attn_backend=args.attention_backend, kv_connector=connector)
+    return build_runner
 
 
 def _model_source(args: argparse.Namespace, models: Mapping[str, Any]) -> str:
     if args.model in models:
         return f"the example {args.model!r} ({args.preset} preset, random weights)"
     return f"the checkpoint {args.model}"
-
-
-def _agreed(sizing: KVSizing, tp: TensorParallelGroup) -> KVSizing:
-    """The fewest blocks any rank chose (every rank's cache must hold the same block ids)."""
-    if tp.world_size == 1:
-        return sizing
-    blocks = torch.tensor([sizing.num_blocks], dtype=torch.int64)
-    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=tp.cpu_group)
-    if int(blocks) == sizing.num_blocks:
-        return sizing
-    return KVSizing(int(blocks), f"{sizing.why}, the fewest of the {tp.world_size} ranks'")
 
 
 def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
@@ -261,6 +272,7 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
     """
     start = time.perf_counter()
     world_size = tensor_parallel_size(args.tensor_parallel_size)
+    refuse_under_tensor_parallelism(args, world_size)  # before any rank is spawned
     if world_size == 1:
         built = build_rank(args, models, args.device)
         runner = built.runner
@@ -270,22 +282,25 @@ def build_engine(args: argparse.Namespace, models: Mapping[str, Any]
     engine = LLMEngine(runner, built.tokenizer, args.seed, args.enable_prefix_caching,
                        kv_connector(args, models, KVConnectorRole.SCHEDULER,
                                     runner.limits.block_size, 0, world_size),
-                       getattr(args, "speculative_config", None))
+                       getattr(args, "speculative_config", None),
+                       draft_runner=built.draft and built.draft.runner)
     capture = built.capture
     summary = {"graph_mode": runner.config.graph_mode.value,
                "descriptors": capture["descriptors"], "graphs": capture["graphs"],
                "graph_bytes": capture["bytes"], "seconds": time.perf_counter() - start,
                "compile": runner.stats()["compile"], "num_blocks": built.sizing.num_blocks,
                "num_blocks_why": built.sizing.why, "tensor_parallel_size": world_size,
-               "threads": built.threads, "stages": built.stages}
+               "threads": built.threads, "stages": built.stages,
+               "draft": built.draft and built.draft.summary()}
     compile_counts = summary["compile"]
     logger.info("engine ready in %.1f s (%s): graph mode %s, %d descriptors captured (%d graphs, "
-                "%s), %d piece builds compiled and %d loaded from the compile cache%s",
+                "%s), %d piece builds compiled and %d loaded from the compile cache%s%s",
                 summary["seconds"], stage_times(built.stages),
                 summary["graph_mode"], summary["descriptors"], summary["graphs"],
                 units.size(summary["graph_bytes"]), compile_counts["builds"],
                 compile_counts["cache_hits"],
-                f", on each of {world_size} tensor-parallel ranks" if world_size > 1 else "")
+                f", on each of {world_size} tensor-parallel ranks" if world_size > 1 else "",
+                built.draft.said() if built.draft else "")
     return engine, summary
 
 

@@ -8,6 +8,11 @@ has left after a profiling step.
   F x the device's memory after that peak (weights, activations, graphs) and after what other
   processes use.
 - otherwise: every sequence at full length (`max_num_seqs` x `max_model_len`).
+
+Every model whose caches get the engine's blocks counts: a draft model's runner (speculative
+decoding) has as many blocks as the target's, so a block's bytes are the target's plus the
+draft's, and the profiling step probes both runners, live together as they serve. Under tensor
+parallelism every rank takes the fewest blocks any rank chose (`agreed`).
 """
 
 from __future__ import annotations
@@ -15,13 +20,15 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import kvgraph
 from kvgraph.attention.metadata import MAX_BLOCK_ID
+from kvgraph.distributed import TensorParallelGroup
 from kvgraph.runtime.platforms import get_platform
 
 from .block_allocator import blocks_for
@@ -33,6 +40,14 @@ logger = logging.getLogger(__name__)
 MAX_CACHE_BYTES = 2**50
 # Builds a ModelRunner with the given number of blocks (everything else already decided).
 RunnerFactory = Callable[[int], kvgraph.ModelRunner]
+
+
+class CacheModel(NamedTuple):
+    """A model whose KV caches get the engine's blocks (the target, a draft model), and how
+    to build its runner."""
+
+    model: nn.Module
+    build_runner: RunnerFactory
 
 
 @dataclass(frozen=True)
@@ -62,22 +77,23 @@ def block_bytes(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
     return sum(spec.bytes_per_block for spec in specs.values())
 
 
-def choose_num_blocks(args: argparse.Namespace, model: nn.Module, dtype: torch.dtype,
-                      max_num_tokens: int, max_model_len: int, build_runner: RunnerFactory
-                      ) -> KVSizing:
-    """The blocks the flags ask for; a ValueError naming the flag if they cannot hold one
-    sequence of `max_model_len` tokens."""
+def choose_num_blocks(args: argparse.Namespace, models: Sequence[CacheModel], dtype: torch.dtype,
+                      max_num_tokens: int, max_model_len: int) -> KVSizing:
+    """The blocks the flags ask for, each holding every one of `models`' caches (the target's
+    first); a ValueError naming the flag if they cannot hold one sequence of `max_model_len`
+    tokens."""
     one_sequence = blocks_for(max_model_len, args.block_size)
-    per_block = block_bytes(model, args.block_size, dtype)
+    parts = [block_bytes(each.model, args.block_size, dtype) for each in models]
+    per_block = sum(parts)
     if args.num_blocks is not None:
         sizing = KVSizing(args.num_blocks, "--num-blocks")
     elif args.kv_cache_memory is not None:
         sizing = KVSizing(args.kv_cache_memory // per_block,
-                          f"--kv-cache-memory {args.kv_cache_memory} bytes / {per_block} bytes "
-                          "per block")
+                          f"--kv-cache-memory {args.kv_cache_memory} bytes / "
+                          f"{_per_block(parts)} bytes per block")
     elif args.gpu_memory_utilization is not None:
         sizing = _profiled(args, per_block, one_sequence, max_num_tokens, max_model_len,
-                           build_runner)
+                           [each.build_runner for each in models])
     else:
         sizing = _every_sequence(args, per_block, one_sequence, max_model_len)
     if sizing.num_blocks < one_sequence:
@@ -86,6 +102,26 @@ def choose_num_blocks(args: argparse.Namespace, model: nn.Module, dtype: torch.d
     logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), from %s", sizing.num_blocks,
                 args.block_size, sizing.num_blocks * per_block / 2**20, sizing.why)
     return sizing
+
+
+def _per_block(parts: list[int]) -> str:
+    """A block's bytes: "512", or with a draft model's caches "768 (512 the target's + 256 the
+    draft model's)"."""
+    if len(parts) == 1:
+        return str(parts[0])
+    return f"{sum(parts)} ({parts[0]} the target's + {' + '.join(map(str, parts[1:]))} the " \
+           "draft model's)"
+
+
+def agreed(sizing: KVSizing, tp: TensorParallelGroup) -> KVSizing:
+    """The fewest blocks any rank chose (every rank's cache must hold the same block ids)."""
+    if tp.world_size == 1:
+        return sizing
+    blocks = torch.tensor([sizing.num_blocks], dtype=torch.int64)
+    dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=tp.cpu_group)
+    if int(blocks) == sizing.num_blocks:
+        return sizing
+    return KVSizing(int(blocks), f"{sizing.why}, the fewest of the {tp.world_size} ranks'")
 
 
 def _every_sequence(args: argparse.Namespace, per_block: int, one_sequence: int,
@@ -107,9 +143,10 @@ def _every_sequence(args: argparse.Namespace, per_block: int, one_sequence: int,
     return KVSizing(blocks, why)
 
 
-def _profiled(args: argparse.Namespace, per_block: int, one_sequence: int,
-              max_num_tokens: int, max_model_len: int, build_runner: RunnerFactory) -> KVSizing:
-    """Blocks for what `--gpu-memory-utilization` leaves after a profiling step and capture."""
+def _profiled(args: argparse.Namespace, per_block: int, one_sequence: int, max_num_tokens: int,
+              max_model_len: int, build_runners: list[RunnerFactory]) -> KVSizing:
+    """Blocks for what `--gpu-memory-utilization` leaves after a profiling step and capture of
+    every runner (all live, as they serve: their graphs add up, their steps' activations not)."""
     fraction = args.gpu_memory_utilization
     if not 0 < fraction <= 1:
         raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {fraction}")
@@ -120,16 +157,20 @@ def _profiled(args: argparse.Namespace, per_block: int, one_sequence: int,
     device = torch.device(args.device)
     batch = profiling_batch(max_num_tokens, max_model_len, args.max_num_seqs, args.block_size)
     probe_blocks = max(one_sequence, sum(len(chunk.block_ids) for chunk in batch))
-    probe = build_runner(probe_blocks)
+    probes: list[kvgraph.ModelRunner] = []
     try:
+        for build_runner in build_runners:
+            probes.append(build_runner(probe_blocks))
         memory.synchronize(device)
         memory.reset_peak_memory_stats(device)
-        probe.execute(batch)
-        probe.capture()
+        for probe in probes:
+            probe.execute(batch)
+            probe.capture()
         memory.synchronize(device)
         peak = memory.max_memory_allocated(device) - probe_blocks * per_block
     finally:
-        probe.close()
+        for probe in probes:
+            probe.close()
     free, total = memory.mem_get_info(device)
     others = total - free - memory.memory_reserved(device)  # what other processes hold
     budget = int(total * fraction) - peak - others

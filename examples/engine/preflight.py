@@ -5,11 +5,13 @@ exit status 2, not a traceback or a refusal after the engine was built.
 In order: `--model`, an example model with one of its `--preset`s or a checkpoint directory
 (checkpoint.py's `checkpoint_config`: config.json parses, names an architecture these examples
 serve and that model's config accepts; weights and tokenizer.json are there; safetensors and
-tokenizers import); the tensor-parallel size against torchrun's; `--device` and each local
-rank's device; kvgraph's settings, flags and KVGRAPH_* variables (the config's own checks); that
-the debug dump can be written; the packages the script needs (serve.py: the `serve` extra). Each
-calls the rule where it lives. serve.py then binds `--host`/`--port` (`bind`) before its engine
-is built, and serves on that socket.
+tokenizers import); the tensor-parallel size against torchrun's; a draft model
+(`--speculative-config` method draft_model: not under tensor parallelism; what its `model`
+names, by draft_model_source.py's `resolve`, a directory checked as `--model`'s; the target's
+vocabulary); `--device` and each local rank's device; kvgraph's settings, flags and KVGRAPH_*
+variables (the config's own checks); that the debug dump can be written; the packages the
+script needs (serve.py: the `serve` extra). Each calls the rule where it lives. serve.py then
+binds `--host`/`--port` (`bind`) before its engine is built, and serves on that socket.
 
 What needs the model, or an attention backend (whose kernels are built when it is first made),
 is found later, as before, by the same rules: weights that do not match the model, a
@@ -36,6 +38,8 @@ from kvgraph.runtime.platforms import get_platform
 from kvgraph.runtime.runner_args import check_device
 
 from .checkpoint import checkpoint_config
+from .draft_model_source import CheckpointSource, resolve
+from .draft_startup import refuse_under_tensor_parallelism
 from .engine_args import compilation_config
 from .tp_launch import Rendezvous, rank_device, ranks_on_node, tensor_parallel_size
 
@@ -76,6 +80,8 @@ def check_start(args: argparse.Namespace, models: Mapping[str, Any],
     check_model(args, models)
     with refused("", ValueError):  # the message names the flag and torchrun's WORLD_SIZE
         world_size = tensor_parallel_size(args.tensor_parallel_size)
+        refuse_under_tensor_parallelism(args, world_size)
+    check_draft_model(args, models)
     check_devices(args.device, world_size)
     check_kvgraph(args)
     check_kv_transfer(args)
@@ -131,6 +137,27 @@ def check_model(args: argparse.Namespace, models: Mapping[str, Any]) -> None:
     with refused(flag, FileNotFoundError, NotImplementedError, ValueError):
         checkpoint_config(args.model, models)
     require(CHECKPOINT_PACKAGES, f"{flag}: reading a checkpoint")
+
+
+def check_draft_model(args: argparse.Namespace, models: Mapping[str, Any]) -> None:
+    """`--speculative-config`'s draft model (after `--model`'s checks): an example model with
+    one of its presets and at most its layers, or a checkpoint directory that checkpoint.py can
+    read; either with the target's vocabulary (the draft shares its tokenizer)."""
+    spec = getattr(args, "speculative_config", None)
+    if spec is None or spec.method != "draft_model":
+        return
+    flag = f"--speculative-config model {spec.model}"
+    with refused("--speculative-config model", ValueError):  # the message quotes the model
+        source = resolve(spec.model, models, args.preset)
+    with refused(flag, FileNotFoundError, NotImplementedError, ValueError):
+        vocab_size = source.config(models).get("vocab_size")
+    if isinstance(source, CheckpointSource):
+        require(CHECKPOINT_PACKAGES, f"{flag}: reading a checkpoint")
+    target = resolve(args.model, models, args.preset).config(models).get("vocab_size")
+    if vocab_size != target:
+        raise UsageError(f"{flag}: the draft model has vocab_size={vocab_size}, the target "
+                         f"(--model {args.model}) {target}: a draft model shares the target's "
+                         "tokenizer, so they must be equal")
 
 
 def check_devices(device: str, world_size: int) -> None:

@@ -2,9 +2,13 @@
 
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 3,
                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
+    --speculative-config '{"method": "draft_model", "model": "llama:small:2",
+                           "num_speculative_tokens": 3}'
 
 The runner's `num_speculative_tokens` (kvgraph's flag of that name) follows it, so verify steps
-are keyed, padded and captured as uniform batches of 1 + that many tokens per request.
+are keyed, padded and captured as uniform batches of 1 + that many tokens per request. A draft
+model's `model` is checked here as far as its syntax goes (draft_model_source.py); its name,
+preset and layers, or its checkpoint directory, by the start-up checks (preflight.py).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import kvgraph
 from kvgraph.errors import ConfigError
 
+from .draft_model_source import check_syntax
 from .speculative_config import SpeculativeConfig
 
 
@@ -23,18 +28,24 @@ def speculative_config(text: str) -> SpeculativeConfig:
         config = SpeculativeConfig.from_json(text)
     except ConfigError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
-    if config.method != "ngram":
-        raise argparse.ArgumentTypeError(
-            f"method: the example engine speculates with 'ngram' (prompt lookup); "
-            f"{config.method!r} (a draft model's runner) is not built yet")
+    if config.method == "draft_model":
+        try:
+            check_syntax(config.model)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(f"model: {error}") from None
     return config
 
 
 def add_speculative_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--speculative-config", type=speculative_config, metavar="JSON",
                        help="decode speculatively, in vLLM's fields: method (ngram: drafts "
-                       "looked up in the prompt and output), num_speculative_tokens, "
-                       "prompt_lookup_min, prompt_lookup_max")
+                       "looked up in the prompt and output; draft_model: drafts from a smaller "
+                       "model sharing the target's tokenizer, with its own runner, KV caches "
+                       "and graphs), num_speculative_tokens, prompt_lookup_min and "
+                       "prompt_lookup_max (ngram), model (draft_model: a checkpoint directory, "
+                       "or an example model NAME, NAME:PRESET or NAME:PRESET:N, seeded with "
+                       "--seed, PRESET default --preset, N: its first N decoder layers; not "
+                       "with --tensor-parallel-size > 1)")
 
 
 def with_speculation(config: kvgraph.CompilationConfig, args: argparse.Namespace

@@ -106,17 +106,18 @@ def test_metrics_count_drafts_and_accepted_tokens():
     assert values["kvgraph_spec_decode_accepted_tokens_total"] > 0
 
 
-def test_the_flag_sets_the_runners_num_speculative_tokens_and_refuses_a_draft_model(capsys):
+def test_the_flag_sets_the_runners_num_speculative_tokens_and_takes_a_draft_model(capsys):
     parser = add_engine_args(argparse.ArgumentParser())
     args = parser.parse_args(["--speculative-config",
                               '{"method": "ngram", "num_speculative_tokens": 2}'])
     assert args.speculative_config.num_speculative_tokens == 2
     assert compilation_config(args).num_speculative_tokens == 2
     assert compilation_config(parser.parse_args([])).num_speculative_tokens == 0
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--speculative-config", '{"method": "draft_model", "model": "m", '
-                           '"num_speculative_tokens": 2}'])
-    assert "'draft_model' (a draft model's runner) is not built yet" in capsys.readouterr().err
+    args = parser.parse_args(["--speculative-config", '{"method": "draft_model", "model": '
+                              '"llama:tiny:1", "num_speculative_tokens": 3}'])
+    assert (args.speculative_config.method, args.speculative_config.model) == (
+        "draft_model", "llama:tiny:1")
+    assert compilation_config(args).num_speculative_tokens == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config",
                            '{"method": "ngram", "num_speculative_tokens": 0}'])

@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"generation stopped: {error}", file=sys.stderr)
         return 1
     finally:
-        engine.runner.close()  # with tensor parallelism: the other ranks stop too
+        engine.close()  # with tensor parallelism: the other ranks stop too
     return 0
 
 
@@ -141,6 +141,13 @@ def report(engine: LLMEngine, summary: dict, args: argparse.Namespace) -> None:
     for key, count in stats["runner"]["hits"].items():
         print(f"  {count:4d}  {key}")
     print(f"graph replays (one per piece of each step): {stats['runner']['graphs']['replays']}")
+    if "spec_decode_drafts" in stats:
+        print(f"speculative decoding: {stats['spec_decode_accepted_tokens']} of "
+              f"{stats['spec_decode_draft_tokens']} draft tokens accepted, "
+              f"{stats['spec_decode_mean_accepted_length']:.2f} tokens per verify chunk"
+              + (f"; draft model {summary['draft']['model']}, "
+                 f"{stats['spec_decode_draft_model_steps']} draft steps"
+                 if summary.get("draft") else ""))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,8 @@ class ExampleSource:
                                 dtype=dtype, device=device)
 
     def __str__(self) -> str:
-        layers = "" if self.num_layers is None else f", cut to {self.num_layers} layers"
+        n = self.num_layers
+        layers = "" if n is None else f", first {n} layer{'' if n == 1 else 's'} only"
         return f"the example {self.name!r} ({self.preset} preset{layers}, random weights)"
 
 

@@ -161,7 +161,7 @@ def test_a_layer_skip_draft_gives_the_greedy_tokens_and_replays_its_graphs(caplo
                                        "size KV cache", "compile", "capture", "compile draft",
                                        "capture draft"]
     assert summary["draft"]["graphs"] > 0
-    assert "draft model the example 'llama' (tiny preset, cut to 1 layers" in caplog.text
+    assert "draft model the example 'llama' (tiny preset, first 1 layer only" in caplog.text
     engine.close()
 
 

@@ -74,10 +74,17 @@ def load_draft(source: ModelSource, args: argparse.Namespace, models: Mapping[st
 
 
 def draft_config(config: kvgraph.CompilationConfig) -> kvgraph.CompilationConfig:
-    """The target's `config` for the draft's runner."""
+    """The draft's runner's config: `config` (the flags' config `without_speculation`: the
+    device's default capture sizes are then those of decode steps of one token a request, not
+    the target's, rounded up to whole verify steps) with a debug dump of its own."""
     dump = config.debug_dump_path
     return config.replace(num_speculative_tokens=0,
                           debug_dump_path=dump and str(Path(dump) / DUMP_DIR))
+
+
+def without_speculation(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` less `--speculative-config`: the flags the draft's config is made from."""
+    return argparse.Namespace(**{**vars(args), "speculative_config": None})
 
 
 def draft_runner(build_runner: RunnerFactory, target: kvgraph.ModelRunner

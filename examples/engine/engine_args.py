@@ -33,7 +33,8 @@ from kvgraph.kv_transfer import KVConnectorBase, KVConnectorRole
 from kvgraph.runtime.platforms import get_platform
 
 from .draft_startup import (DraftBuild, draft_config, draft_runner, draft_source, load_draft,
-                            refuse_under_tensor_parallelism, start_draft)
+                            refuse_under_tensor_parallelism, start_draft,
+                            without_speculation)
 from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
 from .kv_sizing import CacheModel, KVSizing, add_kv_sizing_args, agreed, choose_num_blocks
@@ -220,7 +221,8 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
                                               DEFAULT_MAX_MODEL_LEN)
     caches = [CacheModel(model, _runner_factory(model, config, args, max_model_len))]
     if draft is not None:
-        caches.append(CacheModel(draft, _runner_factory(draft, draft_config(config), args,
+        plain = compilation_config(without_speculation(args))
+        caches.append(CacheModel(draft, _runner_factory(draft, draft_config(plain), args,
                                                         max_model_len)))
     with stages.stage("size KV cache", "sizing the KV cache"):
         sizing = agreed(choose_num_blocks(args, caches, DTYPES[args.dtype],

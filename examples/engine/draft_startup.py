@@ -28,6 +28,11 @@ from .startup_stages import StartupStages
 
 # The draft runner's debug dump, inside the target's (its own would empty the target's).
 DUMP_DIR = "draft_model"
+# Tokens a request runs in the draft's steps, at most, when proposing for decoding requests:
+# two in its catch-up step (the target's token after the drafts, and the last draft when all
+# were accepted), one in the others. Where only decode steps are captured, the draft's are
+# captured up to this many tokens a request.
+DRAFT_QUERY_LEN = 2
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,9 @@ def load_draft(source: ModelSource, args: argparse.Namespace, models: Mapping[st
 
 def draft_config(config: kvgraph.CompilationConfig) -> kvgraph.CompilationConfig:
     """The draft's runner's config: `config` (the flags' config `without_speculation`: the
-    device's default capture sizes are then those of decode steps of one token a request, not
-    the target's, rounded up to whole verify steps) with a debug dump of its own."""
+    device's default capture sizes are then the draft's steps', DRAFT_QUERY_LEN tokens a
+    request at most, not the target's, rounded up to whole verify steps) with a debug dump
+    of its own."""
     dump = config.debug_dump_path
     return config.replace(num_speculative_tokens=0,
                           debug_dump_path=dump and str(Path(dump) / DUMP_DIR))

@@ -33,7 +33,7 @@ from kvgraph.kv_transfer import KVConnectorBase, KVConnectorRole
 from kvgraph.runtime.platforms import get_platform
 
 from .draft_startup import (DraftBuild, draft_config, draft_runner, draft_source, load_draft,
-                            refuse_under_tensor_parallelism, start_draft,
+                            DRAFT_QUERY_LEN, refuse_under_tensor_parallelism, start_draft,
                             without_speculation)
 from .engine import LLMEngine
 from .flag_types import compute_threads, int_in, seconds
@@ -150,9 +150,11 @@ def load_model(args: argparse.Namespace, models: Mapping[str, Any],
                      "checkpoint directory")
 
 
-def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
+def compilation_config(args: argparse.Namespace, query_len: int | None = None
+                       ) -> kvgraph.CompilationConfig:
     """kvgraph's flags and environment, with the device platform's default token budget, graph
-    mode and capture sizes where neither says."""
+    mode and capture sizes where neither says (where it captures decode steps only: those of
+    up to --max-num-seqs requests of `query_len` tokens, default the config's 1 + K)."""
     config = with_speculation(kvgraph.CompilationConfig.from_cli_args(args), args)
     platform = get_platform(args.device)
     if args.max_num_tokens is None and "KVGRAPH_MAX_NUM_TOKENS" not in os.environ:
@@ -162,14 +164,15 @@ def compilation_config(args: argparse.Namespace) -> kvgraph.CompilationConfig:
         config = config.replace(graph_mode=platform.default_graph_mode)
     if (args.capture_sizes is None and "KVGRAPH_CAPTURE_SIZES" not in os.environ
             and platform.captures_decode_only):
-        config = config.replace(capture_sizes=decode_capture_sizes(config, args.max_num_seqs))
+        config = config.replace(capture_sizes=decode_capture_sizes(
+            config, args.max_num_seqs * (query_len or config.uniform_decode_query_len)))
     return config
 
 
-def decode_capture_sizes(config: kvgraph.CompilationConfig, max_num_seqs: int
+def decode_capture_sizes(config: kvgraph.CompilationConfig, num_tokens: int
                          ) -> tuple[int, ...]:
-    """The default capture sizes up to a step of `max_num_seqs` decodes (or verifies), included."""
-    largest = min(max_num_seqs * config.uniform_decode_query_len, max(config.capture_size_list))
+    """The default capture sizes up to a decode (or verify) step of `num_tokens`, included."""
+    largest = min(num_tokens, max(config.capture_size_list))
     return tuple(sorted({s for s in config.capture_size_list if s <= largest} | {largest}))
 
 
@@ -221,7 +224,7 @@ def build_rank(args: argparse.Namespace, models: Mapping[str, Any], device: str)
                                               DEFAULT_MAX_MODEL_LEN)
     caches = [CacheModel(model, _runner_factory(model, config, args, max_model_len))]
     if draft is not None:
-        plain = compilation_config(without_speculation(args))
+        plain = compilation_config(without_speculation(args), DRAFT_QUERY_LEN)
         caches.append(CacheModel(draft, _runner_factory(draft, draft_config(plain), args,
                                                         max_model_len)))
     with stages.stage("size KV cache", "sizing the KV cache"):

@@ -1,8 +1,10 @@
-"""N-gram speculative decoding against none: decode tokens/s, acceptance, host time per step.
+"""Speculative decoding against none: decode tokens/s, acceptance, host time per step.
 
 Two engines in one process, the same model, weights and flags but for `--speculative-config`
 (default n-gram, K=3, n-grams of 2 to 4 tokens): "plain" decodes one token per request a step,
-"spec" proposes up to K drafts per request by prompt lookup and verifies them in its next step.
+"spec" proposes up to K drafts per request, by prompt lookup or with a draft model
+(`{"method": "draft_model", "model": "llama:small:1", ...}`: its first layer), and verifies them
+in its next step.
 
 The example models have random weights: what they generate, not what they are asked, decides
 how often the lookups are right. Greedy decoding of the small Llama mostly falls into loops
@@ -10,16 +12,18 @@ whatever the prompt, so the workloads are measured and picked: from --pool candi
 "repeating" takes the prompts made of a repeated phrase whose greedy output accepted drafts
 would cover most, "non-repeating" the random-id prompts whose output they would cover least (a
 replay of the proposer on the plain engine's output, which counts exactly what the spec engine
-will; the table reports what it did). Each batch size decodes the same --num-prompts prompts,
-in groups of that size.
+will; the table reports what it did). A draft model's runs pick them by the same n-gram
+replay (NGRAM), so both methods run on the same prompts. Each batch size decodes the same
+--num-prompts prompts, in groups of that size.
 
 Rounds interleave the engines (which goes first alternates). Decode time runs from the step
 after every request of a group has its first token to the group's end, so prefill is left out;
 tokens/s counts the tokens those steps emitted. Each step's wall time is split by timing
 `runner.execute` (the model step: on the CPU its host work too) from the rest, the engine's own
 host work (scheduling, sampling or verifying drafts, proposing, detokenizing), of which the
-proposing is timed too; a step is a "verify" step when some request in it ran drafts. The
-two engines' greedy tokens are compared. Prints a table of medians, writes JSON.
+proposing is timed too (a draft model's steps are proposing, their `execute` timed apart); a
+step is a "verify" step when some request in it ran drafts. The two engines' greedy tokens are
+compared. Prints a table of medians, writes JSON (with a draft model, its runner's stats).
 
     python -m examples.benchmarks.speculative_decoding [--preset small] [--batch-sizes 1 8] \
         [--rounds 5] [--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}']
@@ -63,8 +67,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         max_model_len=256, enable_prefix_caching=False, speculative_config=NGRAM)
     args = parser.parse_args(argv)
     if (args.rounds < 1 or args.max_tokens < 2 or min(args.batch_sizes) < 1
-            or args.pool < args.num_prompts
-            or any(args.num_prompts % b for b in args.batch_sizes)):
+            or args.pool < args.num_prompts or any(args.num_prompts % b for b in args.batch_sizes)):
         parser.error("--rounds >= 1, --max-tokens >= 2, batch sizes >= 1, --pool >= "
                      "--num-prompts, and --num-prompts a multiple of every batch size")
     args.max_num_seqs = max(args.batch_sizes)  # a group of the largest batch runs in one step
@@ -72,18 +75,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 class StepClock:
-    """Times an engine's steps and, inside them, its runner's `execute` (the model step) and
-    its speculator's `propose`."""
+    """Times an engine's steps and, inside them, its runner's `execute` (the model step), its
+    speculator's `propose` and, in that, its draft model runner's `execute`."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.execute = engine.runner.execute
-        # The engine calls both through their attributes: instance ones shadow the methods.
+        # The engine calls them through their attributes: instance ones shadow the methods.
         engine.runner.execute = self._timed_execute
         if engine.speculator is not None:
             self.propose = engine.speculator.propose
             engine.speculator.propose = self._timed_propose
-        self._execute_s = self._propose_s = 0.0
+        draft = engine.speculator and engine.speculator.draft
+        if draft:
+            self.draft_execute = draft.runner.execute
+            draft.runner.execute = self._timed_draft_execute
+        self._execute_s = self._propose_s = self._draft_s = 0.0
         self._verify = False
 
     def _timed_execute(self, batch, *rest):
@@ -95,20 +102,28 @@ class StepClock:
         finally:
             self._execute_s += time.perf_counter() - start
 
+    def _timed_draft_execute(self, batch, *rest):
+        start = time.perf_counter()
+        try:
+            return self.draft_execute(batch, *rest)
+        finally:
+            self._draft_s += time.perf_counter() - start
+
     def _timed_propose(self, requests) -> None:
         start = time.perf_counter()
         self.propose(requests)
         self._propose_s += time.perf_counter() - start
 
-    def step(self) -> tuple[str, tuple[float, float, float]]:
-        """One engine step: its kind ("verify" or "decode"), and its wall, execute and propose
-        seconds."""
-        self._execute_s = self._propose_s = 0.0
+    def step(self) -> tuple[str, tuple[float, float, float, float]]:
+        """One engine step: its kind ("verify" or "decode"), and its wall, execute, propose and
+        draft model execute seconds."""
+        self._execute_s = self._propose_s = self._draft_s = 0.0
         self._verify = False
         start = time.perf_counter()
         self.engine.step()
         wall = time.perf_counter() - start
-        return ("verify" if self._verify else "decode"), (wall, self._execute_s, self._propose_s)
+        return ("verify" if self._verify else "decode"), (wall, self._execute_s, self._propose_s,
+                                                          self._draft_s)
 
 
 def decode(clock: StepClock, prompts: list[list[int]], batch: int, max_tokens: int
@@ -116,7 +131,7 @@ def decode(clock: StepClock, prompts: list[list[int]], batch: int, max_tokens: i
     """Run `prompts` in groups of `batch`, greedy; decode seconds, tokens, steps and outputs."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine, seconds, tokens, outputs = clock.engine, 0.0, 0, []
-    steps: dict[str, list[tuple[float, float, float]]] = {"decode": [], "verify": []}
+    steps: dict[str, list[tuple[float, ...]]] = {"decode": [], "verify": []}
     for first in range(0, len(prompts), batch):
         requests = [engine.add_request(p, params) for p in prompts[first:first + batch]]
         while any(not r.output_token_ids for r in requests):
@@ -152,7 +167,8 @@ def pick_prompts(clock: StepClock, args: argparse.Namespace) -> dict[str, Any]:
     pools = {"repeating": [[rng.randrange(2, vocab) for _ in range(PHRASE_LEN)]
                            * (PROMPT_LEN // PHRASE_LEN) for _ in range(args.pool)],
              "non-repeating": [rng.sample(range(2, vocab), PROMPT_LEN) for _ in range(args.pool)]}
-    proposer = NgramProposer(args.speculative_config)
+    spec = args.speculative_config
+    proposer = NgramProposer(spec if spec.method == "ngram" else NGRAM)
     picked = {}
     for workload, pool in pools.items():
         outputs = decode(clock, pool, args.max_num_seqs, args.max_tokens)["outputs"]
@@ -167,10 +183,11 @@ def pick_prompts(clock: StepClock, args: argparse.Namespace) -> dict[str, Any]:
     return picked
 
 
-def median_ms(steps: list[tuple[float, float, float]], what: str) -> float:
-    """Median ms per step of the engine's host work (wall less execute), execute or propose."""
-    pick = {"host": lambda w, e, p: w - e, "execute": lambda w, e, p: e,
-            "propose": lambda w, e, p: p}[what]
+def median_ms(steps: list[tuple[float, ...]], what: str) -> float:
+    """Median ms per step of the engine's host work (wall less execute), execute, propose or
+    the draft model's execute (a part of propose)."""
+    pick = {"host": lambda w, e, p, d: w - e, "execute": lambda w, e, p, d: e,
+            "propose": lambda w, e, p, d: p, "draft": lambda w, e, p, d: d}[what]
     return 1e3 * statistics.median(pick(*s) for s in steps) if steps else float("nan")
 
 
@@ -191,8 +208,9 @@ def measure(clocks: dict[str, StepClock], prompts: list[list[int]], batch: int,
         same = same and runs["plain"]["outputs"] == runs["spec"]["outputs"]
         ratios.append(rates["spec"][-1] / rates["plain"][-1])
     after = spec.stats()
-    drafts, proposed, accepted = (after[k] - before[k] for k in (
-        "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens"))
+    drafts, proposed, accepted, draft_steps = (after.get(k, 0) - before.get(k, 0) for k in (
+        "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens",
+        "spec_decode_draft_model_steps"))
     return {
         "plain_tok_s": statistics.median(rates["plain"]),
         "spec_tok_s": statistics.median(rates["spec"]),
@@ -208,14 +226,15 @@ def measure(clocks: dict[str, StepClock], prompts: list[list[int]], batch: int,
         "propose_ms_spec_verify": median_ms(steps["spec"]["verify"], "propose"),
         "execute_ms_plain_decode": median_ms(steps["plain"]["decode"], "execute"),
         "execute_ms_spec_verify": median_ms(steps["spec"]["verify"], "execute"),
-        "tok_s_rounds": rates}
+        "draft_execute_ms_spec_verify": median_ms(steps["spec"]["verify"], "draft"),  # in propose
+        "draft_model_steps": draft_steps // args.rounds, "tok_s_rounds": rates}
 
 
 COLUMNS = (("workload", "{}"), ("batch", "{}"), ("plain tok/s", "{:.1f}"),
            ("spec tok/s", "{:.1f}"), ("spec/plain", "{:.2f}x"), ("accepted", "{:.0%}"),
            ("mean acc. len", "{:.2f}"), ("steps plain", "{}"), ("steps spec (verify)", "{}"),
            ("host ms/step plain", "{:.3f}"), ("host ms/verify", "{:.3f}"),
-           ("of which propose", "{:.3f}"),
+           ("of which propose (draft model)", "{}"),
            ("execute ms plain", "{:.2f}"), ("execute ms verify", "{:.2f}"),
            ("tokens identical", "{}"))
 
@@ -225,8 +244,9 @@ def table_row(workload: str, batch: int, row: dict[str, Any]) -> list[str]:
               row["acceptance"], row["mean_accepted_length"], row["plain_steps"],
               f"{row['spec_verify_steps'] + row['spec_decode_steps']} "
               f"({row['spec_verify_steps']})", row["host_ms_plain_decode"],
-              row["host_ms_spec_verify"], row["propose_ms_spec_verify"],
-              row["execute_ms_plain_decode"],
+              row["host_ms_spec_verify"], f"{row['propose_ms_spec_verify']:.3f}" + (
+                  f" ({row['draft_execute_ms_spec_verify']:.3f})" if row["draft_model_steps"]
+                  else ""), row["execute_ms_plain_decode"],
               row["execute_ms_spec_verify"], "yes" if row["tokens_identical"] else "NO")
     return [fmt.format(v) for (_, fmt), v in zip(COLUMNS, values)]
 
@@ -234,7 +254,7 @@ def table_row(workload: str, batch: int, row: dict[str, Any]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    k = args.speculative_config.num_speculative_tokens
+    spec = args.speculative_config
     # The plain engine's runner has num_speculative_tokens 0: it captures no verify graphs.
     clocks = {name: StepClock(build_engine(argparse.Namespace(**{
         **vars(args), "speculative_config": config}), MODELS)[0])
@@ -243,11 +263,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     decode(clocks["spec"], picked["repeating"]["prompts"], args.max_num_seqs, args.max_tokens)
     rows = [(w, b, measure(clocks, picked[w]["prompts"], b, args))
             for w in WORKLOADS for b in args.batch_sizes]
+    ngram = spec if spec.method == "ngram" else NGRAM
+    method = (f"n-gram K={spec.num_speculative_tokens}, n " if spec.method == "ngram" else
+              f"draft model {spec.model} K={spec.num_speculative_tokens}, prompts picked by "
+              f"n-gram K={ngram.num_speculative_tokens}, n ")
     print(f"{args.model} {args.preset}, {args.dtype}, graph mode {args.graph_mode} "
-          f"({args.piece_compiler} pieces), {args.threads} thread(s); n-gram K={k}, n "
-          f"{args.speculative_config.prompt_lookup_min}-{args.speculative_config.prompt_lookup_max}"
-          f"; {args.num_prompts} prompts of {PROMPT_LEN} tokens per workload, greedy, "
-          f"{args.max_tokens} tokens each; median of {args.rounds} interleaved rounds\n")
+          f"({args.piece_compiler} pieces), {args.threads} thread(s); {method}"
+          f"{ngram.prompt_lookup_min}-{ngram.prompt_lookup_max}; {args.num_prompts} prompts of "
+          f"{PROMPT_LEN} tokens per workload, greedy, {args.max_tokens} tokens each; median of "
+          f"{args.rounds} interleaved rounds\n")
     print("| " + " | ".join(name for name, _ in COLUMNS) + " |")
     print("|" + "---|" * len(COLUMNS))
     for workload, batch, row in rows:
@@ -255,16 +279,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     losses = [f"{w} b={b} ({row['speedup']:.2f}x)" for w, b, row in rows if row["speedup"] < 1]
     print(f"\nspeculation loses: {', '.join(losses) or 'nowhere'}; greedy tokens identical "
           f"in every row: {'yes' if all(r['tokens_identical'] for *_, r in rows) else 'NO'}")
-    runner = clocks["spec"].engine.runner
+    stats = clocks["spec"].engine.stats()
+    dispatch = ("hits", "padded_tokens", "fallbacks", "uncaptured")
     payload = {"machine": machine(torch.device("cpu")),
-               "args": vars(args) | {"speculative_config": vars(args.speculative_config)},
-               "prompts": picked, "results": [{"workload": w, "batch": b, **row}
-                                              for w, b, row in rows],
-               "spec_runner": {key: v for key, v in runner.stats().items()
-                               if key in ("hits", "padded_tokens", "fallbacks", "uncaptured")}}
+               "args": vars(args) | {"speculative_config": vars(spec)},
+               "prompts": picked, "prompts_picked_by": vars(ngram),  # its replay's numbers
+               "results": [{"workload": w, "batch": b, **row} for w, b, row in rows],
+               "spec_runner": {key: v for key, v in stats["runner"].items() if key in dispatch}}
+    if "draft_runner" in stats:  # the whole run's, its warm-up included
+        payload["draft_runner"] = {key: v for key, v in stats["draft_runner"].items()
+                                   if key in dispatch} | {
+            key: stats[f"spec_decode_draft_model_{key}"] for key in ("steps", "failures")}
     write_json(args.json, json.loads(json.dumps(payload, default=str)))
     for clock in clocks.values():
-        clock.engine.runner.close()
+        clock.engine.close()
     print(f"wrote {args.json}")
     return payload
 

@@ -6,14 +6,23 @@ drafts 0..j-1. It emits its accepted draft prefix plus one token: at the first r
 position j the recovered token, drawn from norm(max(0, p_j - q_j)), or, when all k were
 accepted, the bonus token drawn from p_k. p is what the engine's Sampler samples from: the
 logits after the request's temperature, top-k and top-p (its own methods compute it here). q is
-the draft's distribution; a proposer without a model (n-gram lookup) drafts deterministically,
-so its q is one-hot at the draft token. Draft j is accepted with probability min(1, p(d) / q(d)).
+the draft model's distribution; draft j is accepted with probability min(1, p(d) / q(d)).
 Greedy requests accept while the draft is the argmax and then emit the argmax: exactly the
 tokens decoding without speculation gives.
 
-Draws: k + 1 uniform numbers per sampled request, k to accept and one for the last token,
-whatever is accepted; a seeded request's from its own generator, so the same seed and drafts
-emit the same tokens in any batch. With no drafts this is the Sampler, draw for draw.
+Drafts without a q (n-gram lookup: deterministic, so q is one-hot at the draft) are verified by
+the coupling that rule allows: each row's token is picked as the Sampler picks it, with the
+row's own draw, and a draft is accepted while it equals its row's pick; the request emits the
+picks up to the first that differs from its draft (accepted with probability p(d), and a
+rejected row's pick follows p without d: the rule above, exactly). A seeded request's generator
+is then left as if it had drawn once per emitted token, so its tokens are those sampling
+without drafts gives, whatever drafts it had or its batch trimmed (where taking n numbers in
+one call equals n calls of one, as on the CPU; a CUDA generator's calls advance in steps, so
+there they are reproducible but depend on the drafts).
+
+Draws: k + 1 uniform numbers per sampled request, one per row (with a q: k to accept and the
+last row's for the last token); a seeded request's from its own generator. With no drafts this
+is the Sampler, draw for draw.
 
 Penalties: the engine does not speculate for a request with repetition, presence or frequency
 penalties (row j's penalties would count drafts 0..j-1 as output); such a request may only come
@@ -99,7 +108,7 @@ class RejectionSampler:
                 drafts: Sequence[Sequence[int]], q: torch.Tensor | None
                 ) -> list[Emitted | SamplingError]:
         """What each request emits, from its finite, scaled rows."""
-        device, vocab = scaled.device, scaled.shape[1]
+        device = scaled.device
         counts = [len(d) for d in drafts]
         starts = _starts([k + 1 for k in counts])
         # Index lists, one entry per draft (Python loops over requests and drafts, never over
@@ -109,46 +118,91 @@ class RejectionSampler:
         draft_rows = _index([starts[i] + j for i, j in zip(owner, column)], scaled)
         ids = _index([t for d in drafts for t in d], scaled)
         greedy = [r.params.greedy for r in requests]
+        kept = self._seeded_states(requests) if q is None else {}
         draws = self._uniforms(requests, counts).to(device)
-        argmax = scaled.argmax(dim=-1)
-        accepted = argmax[draft_rows] == ids  # the greedy rule; sampled drafts overwrite it
-        drawn = [not greedy[i] for i in owner]
-        if any(drawn):
-            mask = torch.tensor(drawn, device=device)
-            rows = draft_rows[mask]
-            drawn_ids = ids[mask].unsqueeze(1)
-            p = self._target_probs(scaled[rows], [requests[i] for i, d in zip(owner, drawn) if d])
-            p_d = p.gather(1, drawn_ids).squeeze(1).double()
-            q_d = 1.0 if q is None else q[mask].gather(1, drawn_ids).squeeze(1).double()
-            accepted[mask] = draws[rows] * q_d < p_d  # probability min(1, p(d) / q(d))
+        if q is None:  # one-hot drafts: each row's own pick decides (the module docstring)
+            picks = self._picks(scaled, requests, counts, draws)
+            accepted = picks[draft_rows] == ids
+        else:
+            picks = scaled.argmax(dim=-1)
+            accepted = picks[draft_rows] == ids  # the greedy rule; sampled drafts overwrite it
+            self._accept_from_q(scaled, requests, owner, greedy, draft_rows, ids, q, draws,
+                                accepted)
         # Accepted so far, per request: a padded [requests, k_max + 1] table whose column k is
         # always False, so the cumulative product stops at a request's last draft.
         table = torch.zeros(len(requests), max(counts, default=0) + 1, dtype=torch.long,
                             device=device)
         table[_index(owner, scaled), _index(column, scaled)] = accepted.long()
         num_accepted = table.cumprod(dim=1).sum(dim=1)
-        k = _index(counts, scaled)
         final_rows = _index(starts, scaled) + num_accepted
-        last = argmax[final_rows]
-        if not all(greedy):
-            mask = torch.tensor([not g for g in greedy], device=device)
-            # The draft rejected at each request's final row, if one was: its q is removed.
-            rejected = num_accepted < k
-            draft_index = _index(_starts(counts), scaled) + num_accepted
-            removed = torch.zeros(len(requests), vocab, device=device)
-            which = (rejected & mask).nonzero().squeeze(1)
-            if len(which):
-                if q is None:
-                    removed[which, ids[draft_index[which]]] = 1.0
-                else:
-                    removed[which] = q[draft_index[which]].to(removed.dtype)
-            last_draws = draws[_index(starts, scaled) + k]
-            last[mask] = self._last(scaled[final_rows[mask]],
-                                    [r for r, g in zip(requests, greedy) if not g],
-                                    removed[mask], last_draws[mask])
-        tails = _in_vocabulary(last.tolist(), vocab)
+        last = picks[final_rows]
+        if q is not None and not all(greedy):
+            last = self._last_from_q(scaled, requests, greedy, counts, starts, num_accepted,
+                                     ids, q, draws, last)
+        accepted_counts = num_accepted.tolist()
+        for i, state in kept.items():  # one draw per emitted token, as without drafts
+            requests[i].generator.set_state(state)
+            torch.rand(accepted_counts[i] + 1, dtype=torch.float64, device=self.sampler.device,
+                       generator=requests[i].generator)
+        tails = _in_vocabulary(last.tolist(), scaled.shape[1])
         return [t if isinstance(t, SamplingError) else list(d[:n]) + [t]
-                for d, n, t in zip(drafts, num_accepted.tolist(), tails)]
+                for d, n, t in zip(drafts, accepted_counts, tails)]
+
+    def _picks(self, scaled: torch.Tensor, requests: Sequence[Request], counts: list[int],
+               draws: torch.Tensor) -> torch.Tensor:
+        """Each row's token as the Sampler picks it with the row's draw: the argmax for a
+        greedy request's rows."""
+        picks = scaled.argmax(dim=-1)
+        rows = [s + j for s, k, r in zip(_starts([k + 1 for k in counts]), counts, requests)
+                if not r.params.greedy for j in range(k + 1)]
+        if rows:
+            owners = [r for r, k in zip(requests, counts) if not r.params.greedy
+                      for _ in range(k + 1)]
+            index = _index(rows, scaled)
+            picks[index] = self._last(scaled[index], owners,
+                                      torch.zeros_like(scaled[index]), draws[index])
+        return picks
+
+    def _accept_from_q(self, scaled, requests, owner, greedy, draft_rows, ids, q, draws,
+                       accepted) -> None:
+        """A sampled request's draft d, drawn from the draft model's q: accepted with
+        probability min(1, p(d) / q(d)) (into `accepted`)."""
+        drawn = [not greedy[i] for i in owner]
+        if not any(drawn):
+            return
+        mask = torch.tensor(drawn, device=scaled.device)
+        rows = draft_rows[mask]
+        drawn_ids = ids[mask].unsqueeze(1)
+        p = self._target_probs(scaled[rows], [requests[i] for i, d in zip(owner, drawn) if d])
+        p_d = p.gather(1, drawn_ids).squeeze(1).double()
+        q_d = q[mask].gather(1, drawn_ids).squeeze(1).double()
+        accepted[mask] = draws[rows] * q_d < p_d
+
+    def _last_from_q(self, scaled, requests, greedy, counts, starts, num_accepted, ids, q,
+                     draws, last) -> torch.Tensor:
+        """`last`, with each sampled request's last token drawn from norm(max(0, p - q)) at a
+        rejected draft's row (q of that draft removed), or from p after all were accepted."""
+        device, vocab = scaled.device, scaled.shape[1]
+        mask = torch.tensor([not g for g in greedy], device=device)
+        k = _index(counts, scaled)
+        rejected = num_accepted < k
+        draft_index = _index(_starts(counts), scaled) + num_accepted
+        removed = torch.zeros(len(requests), vocab, device=device)
+        which = (rejected & mask).nonzero().squeeze(1)
+        if len(which):
+            removed[which] = q[draft_index[which]].to(removed.dtype)
+        final_rows = _index(starts, scaled) + num_accepted
+        last_draws = draws[_index(starts, scaled) + k]
+        last[mask] = self._last(scaled[final_rows[mask]],
+                                [r for r, g in zip(requests, greedy) if not g],
+                                removed[mask], last_draws[mask])
+        return last
+
+    @staticmethod
+    def _seeded_states(requests: Sequence[Request]) -> dict[int, torch.Tensor]:
+        """The generator state of each seeded, sampled request, before this step draws."""
+        return {i: r.generator.get_state() for i, r in enumerate(requests)
+                if not r.params.greedy and r.generator is not None}
 
     def _target_probs(self, scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """p over the whole vocabulary, per row (its request's, temperature applied): the

@@ -86,6 +86,7 @@ CASES = [("draft model", SamplingParams(temperature=0.8), 1.5, None),
          ("draft model, top-k and top-p", SamplingParams(temperature=1.3, top_k=5, top_p=0.9),
           1.5, None),
          ("n-gram, likely draft", SamplingParams(temperature=0.7, top_p=0.85), None, "likely"),
+         ("n-gram, no filter", SamplingParams(temperature=0.9), None, "likely"),
          ("n-gram, draft top-k removes", SamplingParams(temperature=1.0, top_k=4), None,
           "removed")]
 

@@ -31,7 +31,7 @@ MODEL_SEED = 1
 
 def build(spec: SpeculativeConfig | None = None, *, kind: str = "llama", mode: str = "eager",
           num_blocks: int | None = None, budget: int = 32, max_num_seqs: int = 4,
-          store=None, tokenizer=None, draft=None) -> LLMEngine:
+          store=None, tokenizer=None, draft=None, device: str = "cpu") -> LLMEngine:
     """The tiny model's engine (seeded weights: every engine of a kind is the same model), with
     `spec`, and with the shared-storage KV connector over `store` when one is given. A
     draft_model `spec` drafts with `draft` (default: the target's first layer), in a runner of
@@ -48,18 +48,19 @@ def build(spec: SpeculativeConfig | None = None, *, kind: str = "llama", mode: s
     def connector(role):
         return transfer and create_kv_connector(transfer, role, BLOCK_SIZE,
                                                 model_key=f"{kind}-tiny-seed{MODEL_SEED}")
-    runner = kvgraph.ModelRunner(make_model(kind, seed=MODEL_SEED), config,
+    runner = kvgraph.ModelRunner(make_model(kind, seed=MODEL_SEED).to(device), config,
                                  num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                  max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-                                 kv_connector=connector(KVConnectorRole.WORKER))
+                                 device=device, kv_connector=connector(KVConnectorRole.WORKER))
     runner.capture()
     draft_runner = None
     if spec is not None and spec.method == "draft_model":
         draft = draft or first_layers(kind, 1)
-        draft_runner = kvgraph.ModelRunner(draft, config.replace(num_speculative_tokens=0),
+        draft_runner = kvgraph.ModelRunner(draft.to(device),
+                                           config.replace(num_speculative_tokens=0),
                                            num_blocks=num_blocks, block_size=BLOCK_SIZE,
                                            max_num_seqs=max_num_seqs,
-                                           max_model_len=MAX_MODEL_LEN)
+                                           max_model_len=MAX_MODEL_LEN, device=device)
         draft_runner.capture()
     return LLMEngine(runner, tokenizer or ByteTokenizer(), speculative_config=spec,
                      kv_connector=connector(KVConnectorRole.SCHEDULER),

@@ -25,7 +25,8 @@ from tests.examples.engine.test_rejection_sampler import ALPHA, make, seeded, ta
 from tests.support import chi_square
 from tests.support.engines import BLOCK_SIZE, MAX_MODEL_LEN
 from tests.support.scenario import make_model
-from tests.support.speculation import DRAFT, GREEDY, K, PROMPTS, build, first_layers, tokens
+from tests.support.speculation import (DRAFT, GREEDY, K, PROMPTS, PROPOSERS, build, first_layers,
+                                       tokens)
 
 FULL_MODES = ("full", "full_decode_only", "full_and_piecewise")
 
@@ -50,6 +51,26 @@ def test_every_graph_mode_gives_the_tokens_and_both_runners_replay_graphs(kind, 
         assert any(key.startswith("full:") and "uniform_decode=True" in key
                    for key in stats["draft_runner"]["hits"]), stats["draft_runner"]["hits"]
     assert sum(stats["draft_runner"]["hits"].values()) == stats["spec_decode_draft_model_steps"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("proposer", list(PROPOSERS))
+@pytest.mark.parametrize("kind", ["llama", "deepseek_mla"])
+def test_speculation_on_cuda_gives_the_tokens_and_replays_verify_graphs(proposer, kind):
+    """The device's contract: verify steps (and the draft's one-token steps) replay captured
+    CUDA graphs of the device's attention backend, and greedy tokens are those without drafts
+    (in the GPU's default graph mode; the others are the CPU tests')."""
+    mode = "full_and_piecewise"
+    expected = tokens(build(kind=kind, mode=mode, device="cuda").generate(PROMPTS[:2], GREEDY))
+    speculating = build(PROPOSERS[proposer], kind=kind, mode=mode, device="cuda")
+    assert tokens(speculating.generate(PROMPTS[:2], GREEDY)) == expected
+    stats = speculating.stats()
+    assert stats["spec_decode_accepted_tokens"] > 0
+    verify = [key for key in stats["runner"]["hits"] if f"query_len={K + 1}" in key]
+    assert any(key.startswith("full:") for key in verify), stats["runner"]["hits"]
+    if proposer == "draft_model":
+        assert any(key.startswith("full:") and "uniform_decode=True" in key
+                   for key in stats["draft_runner"]["hits"]), stats["draft_runner"]["hits"]
 
 
 @pytest.mark.parametrize("draft, accepted", [("target", "all"), ("unrelated", "none")])

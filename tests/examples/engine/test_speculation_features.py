@@ -439,9 +439,16 @@ def test_every_full_prompt_block_is_saved_when_a_chunk_ends_inside_a_block(tmp_p
 SPEC_FLAG = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
 
 
+def draft_flag(checkpoint) -> str:
+    """The checkpoint drafting for itself: every draft is accepted."""
+    return json.dumps({"method": "draft_model", "model": str(checkpoint),
+                       "num_speculative_tokens": 3})
+
+
 @pytest.mark.slow  # starts two servers
-@pytest.mark.parametrize("engine_loop", ["thread", "process"])
-def test_the_server_with_speculation_answers_like_one_without(checkpoint, engine_loop):
+@pytest.mark.parametrize("engine_loop, method", [("thread", "ngram"), ("process", "ngram"),
+                                                 ("thread", "draft_model")])
+def test_the_server_with_speculation_answers_like_one_without(checkpoint, engine_loop, method):
     from tests.support.servers import (complete, metric, serving, wait_for_free_blocks,
                                        wait_for_metric)
 
@@ -465,9 +472,10 @@ def test_the_server_with_speculation_answers_like_one_without(checkpoint, engine
             return plain, streamed, chatted, sampled
 
     with serving(str(checkpoint), "eager", engine_loop=engine_loop) as url:
-        plain, streamed, chatted, _ = asyncio.run(answers(url))
+        plain, streamed, chatted, sampled = asyncio.run(answers(url))
         assert metric(url, "kvgraph_spec_decode_drafts_total") == 0
-    with serving(str(checkpoint), "eager", "--speculative-config", SPEC_FLAG,
+    flag = SPEC_FLAG if method == "ngram" else draft_flag(checkpoint)
+    with serving(str(checkpoint), "eager", "--speculative-config", flag,
                  engine_loop=engine_loop) as url:
         got = asyncio.run(answers(url))
         assert metric(url, "kvgraph_spec_decode_drafts_total") > 0
@@ -486,5 +494,8 @@ def test_the_server_with_speculation_answers_like_one_without(checkpoint, engine
     assert got[:3] == (plain, streamed, chatted)
     assert plain == streamed and plain["tokens"] == 24
     assert chatted["text"] and chatted["tokens"] > 1
-    # n = 3 seeded choices: the same run to run (each choice its own seed).
+    # n = 3 seeded choices: the same run to run (each choice its own seed); with n-gram drafts
+    # the very choices the server samples without speculation (rejection_sampler.py).
     assert got[3][0] == got[3][1] and len(got[3][0]) == 3
+    if method == "ngram":
+        assert got[3][0] == sampled[0]

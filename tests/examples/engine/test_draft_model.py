@@ -21,9 +21,10 @@ from examples.engine.draft_model import DraftModelProposer
 from examples.engine.rejection_sampler import RejectionSampler
 from examples.engine.sampler import Sampler
 from examples.engine.tokenizer import ByteTokenizer
-from tests.examples.engine.test_rejection_sampler import ALPHA, make, seeded, target
+from tests.examples.engine.test_rejection_sampler import ALPHA, make, seeded
 from tests.support import chi_square
 from tests.support.engines import BLOCK_SIZE, MAX_MODEL_LEN
+from tests.support.filtered_probs import filtered_probs
 from tests.support.scenario import make_model
 from tests.support.speculation import (DRAFT, GREEDY, K, PROMPTS, PROPOSERS, build, first_layers,
                                        tokens)
@@ -218,7 +219,7 @@ def test_sampled_drafts_follow_the_q_the_rejection_sampler_is_given(params):
     for r in requests:
         r.prompt_token_ids, r.block_ids = [1, 2, 3], [0]
     drafts = proposer.propose(requests, [2] * n)
-    expected = target(row, params)
+    expected = filtered_probs(row, params)
     for r, ids, q in zip(requests, drafts.token_ids, drafts.probs):
         assert len(ids) == 2 and q.shape == (2, vocab)
         torch.testing.assert_close(q.double(), expected.expand(2, -1), atol=1e-6, rtol=1e-5)

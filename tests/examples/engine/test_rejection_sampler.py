@@ -20,6 +20,7 @@ from examples.engine.sampler import Sampler, SamplingError
 from examples.engine.sampling_params import SamplingParams
 from examples.engine.tokenizer import ByteTokenizer
 from tests.support import chi_square
+from tests.support.filtered_probs import filtered_probs
 
 ALPHA = 1e-4  # per chi-square test: the samples are seeded, so a pass is a pass for good
 MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
@@ -34,18 +35,6 @@ def make(params: SamplingParams, generator: torch.Generator | None = None,
 
 def seeded(params: list[SamplingParams], seeds: list[int]) -> list[Request]:
     return [make(p, torch.Generator().manual_seed(s), f"r{s}") for p, s in zip(params, seeds)]
-
-
-def target(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The probability of each token, in vocabulary order, after temperature, top-k, top-p."""
-    ordered, order = (logits.double() / params.temperature).sort(descending=True)
-    keep = torch.ones_like(ordered, dtype=torch.bool)
-    if 0 < params.top_k < len(logits):
-        keep[params.top_k:] = False
-    probs = ordered.masked_fill(~keep, -torch.inf).softmax(dim=0)
-    keep &= (probs.cumsum(dim=0) - probs) <= params.top_p
-    probs = ordered.masked_fill(~keep, -torch.inf).softmax(dim=0)
-    return torch.zeros_like(probs).scatter(0, order, probs)
 
 
 def rows_of(counts: list[int], vocab: int, generator: torch.Generator) -> torch.Tensor:
@@ -101,7 +90,7 @@ def test_each_emitted_token_is_distributed_as_the_target(name, params, draft_sca
     bases = torch.randn(3, vocab, generator=gen)  # the target's logits at positions 0, 1, 2
 
     def p(position: int, before: int) -> torch.Tensor:
-        return target(bases[position].roll(before), params)
+        return filtered_probs(bases[position].roll(before), params)
 
     if draft_scale is None:  # n-gram: drafts fixed by the context, q one-hot
         probs0 = p(0, 0)

@@ -17,6 +17,7 @@ from examples.engine.request import Request
 from examples.engine.sampler import Sampler
 from examples.engine.sampling_params import SamplingParams
 from examples.engine.tokenizer import ByteTokenizer
+from tests.support.filtered_probs import filtered_probs
 
 VOCAB = 300
 MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.7),
@@ -37,15 +38,10 @@ def reference(logits: torch.Tensor, params: SamplingParams, seed: int) -> int:
     logits = logits.double()
     if params.greedy:
         return int(logits.argmax())
-    ordered, order = (logits / params.temperature).sort(descending=True)
-    keep = torch.ones_like(ordered, dtype=torch.bool)
-    if 0 < params.top_k < len(logits):
-        keep[params.top_k:] = False
-    probs = ordered.masked_fill(~keep, -torch.inf).softmax(dim=0)
-    keep &= (probs.cumsum(dim=0) - probs) <= params.top_p
-    probs = ordered.masked_fill(~keep, -torch.inf).softmax(dim=0)
-    if not (0 < params.top_k < len(logits) or params.top_p < 1):  # no filter: vocabulary order
-        probs, order = (logits / params.temperature).softmax(dim=0), torch.arange(len(logits))
+    probs, order = filtered_probs(logits, params), torch.arange(len(logits))
+    if 0 < params.top_k < len(logits) or params.top_p < 1:  # a filter: most likely first
+        order = (logits / params.temperature).sort(descending=True).indices
+        probs = probs[order]
     draw = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     return int(order[torch.searchsorted(probs.cumsum(dim=0), draw * probs.sum(), right=True)])
 

@@ -161,10 +161,13 @@ class DraftModelProposer:
                 if valid >= len(tokens) or tokens[valid] != draft:
                     break
                 valid += 1
-        block_size = self.runner.limits.block_size
-        shared = [i for i, b in enumerate(request.block_ids) if self.allocator.is_shared(b)]
-        unshared = (shared[-1] + 1) * block_size if shared else 0
-        return min(max(valid, unshared), request.num_tokens - 1)
+        # Shared blocks are a prefix of the table (the prefix cache's): only those from the
+        # first one to write on are looked at, one in steady decoding.
+        block_size, blocks = self.runner.limits.block_size, request.block_ids
+        index = valid // block_size
+        while index < len(blocks) and self.allocator.is_shared(blocks[index]):
+            index += 1
+        return min(max(valid, index * block_size), request.num_tokens - 1)
 
     def _execute(self, chunks: list[kvgraph.RequestChunk]) -> torch.Tensor:
         self.num_steps += 1
